@@ -1,0 +1,23 @@
+"""vllm_mooncake: a wedge guard for prefill/decode disaggregated vLLM serving.
+
+Reading path:
+
+1. ``guard/ledger.py``      -- the per-request KV block ledger (no vLLM imports).
+2. ``guard/config.py``      -- the guard section of ``kv_transfer_config``.
+3. ``guard/connector.py``   -- ``WedgeGuardConnector``, a MultiConnector facade
+                               that routes each load to its owning child and
+                               feeds the ledger.
+4. ``guard/scheduler.py``   -- ``WedgeGuardScheduler`` / ``WedgeGuardAsyncScheduler``:
+                               lateral preemption on admission failure.
+5. ``internals.py``         -- every private vLLM name we touch, in one place.
+6. ``plugin.py``            -- the ``vllm.general_plugins`` entry point.
+7. ``testing/``             -- the real-scheduler driver and scripted connector
+                               that tests and the simulator share.
+"""
+
+__version__ = "0.1.0"
+
+CONNECTOR_NAME = "WedgeGuardConnector"
+"""The name users put in ``kv_transfer_config["kv_connector"]``."""
+
+__all__ = ["CONNECTOR_NAME", "__version__"]

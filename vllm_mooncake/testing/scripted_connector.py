@@ -1,0 +1,305 @@
+"""A KV connector whose loads are scripted per request, and the fake worker
+that completes them.
+
+What is faked, and why: there is no GPU and no RDMA here, so no KV bytes move.
+Everything on the scheduler side is real: this is a genuine
+``KVConnectorBase_V1`` built by vLLM's factory (alone or as a child of
+MultiConnector / the guard connector), it answers vLLM's real scheduler
+hooks, and it ships its load orders to the "worker" through the real
+``SchedulerOutput.kv_connector_metadata``. :class:`ScriptedTransferWorker`
+plays the worker half: it reads those orders and, after the scripted number
+of steps, reports ``finished_recving`` / ``failed_recving`` /
+``invalid_block_ids`` in a real ``KVConnectorOutput``.
+
+Request life cycle, as scripted by ``kv_transfer_params[<params_key>]``::
+
+    {"tokens": -1,          # external tokens to offer (-1: the whole prompt)
+     "async": true,         # load asynchronously (WAITING_FOR_REMOTE_KVS)
+     "done_after": 1,       # worker steps until the receive completes
+     "outcome": "ok",       # "ok" | "fail" (nothing valid) | "partial"
+     "valid_tokens": 0,     # for "partial": tokens that did arrive
+     "reoffer": false}      # offer the hit again after a preemption
+                            # (store-like); a P->D transfer is one-shot
+
+1. lookup   -- ``get_num_new_matched_tokens`` offers the scripted tokens.
+2. alloc    -- ``update_state_after_alloc`` records a load order with the
+               block ids vLLM allocated.
+3. meta     -- ``build_connector_meta`` hands the orders to the worker.
+4. transfer -- the worker counts ``done_after`` steps, then reports.
+5. finished -- ``request_finished`` forgets the request.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.outputs import KVConnectorOutput
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+ReqId = str
+
+DEFAULT_PARAMS_KEY = "scripted_load"
+OUTCOMES = ("ok", "fail", "partial")
+
+
+class ScriptError(ValueError):
+    """A scripted load in ``kv_transfer_params`` is malformed."""
+
+
+@dataclass(frozen=True)
+class LoadScript:
+    """What the connector offers for one request, parsed from its params."""
+
+    tokens: int = -1
+    is_async: bool = True
+    done_after: int = 1
+    outcome: str = "ok"
+    valid_tokens: int = 0
+    reoffer: bool = False
+
+    @classmethod
+    def parse(cls, raw: object, where: str) -> LoadScript:
+        if not isinstance(raw, dict):
+            raise ScriptError(f"{where}: expected a mapping, got {raw!r}")
+        known = {"tokens", "async", "done_after", "outcome", "valid_tokens", "reoffer"}
+        unknown = set(raw) - known
+        if unknown:
+            raise ScriptError(
+                f"{where}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}"
+            )
+        script = cls(
+            tokens=int(raw.get("tokens", -1)),
+            is_async=bool(raw.get("async", True)),
+            done_after=int(raw.get("done_after", 1)),
+            outcome=str(raw.get("outcome", "ok")),
+            valid_tokens=int(raw.get("valid_tokens", 0)),
+            reoffer=bool(raw.get("reoffer", False)),
+        )
+        if script.outcome not in OUTCOMES:
+            raise ScriptError(
+                f"{where}.outcome: {script.outcome!r} is not one of {OUTCOMES}"
+            )
+        if script.done_after < 0:
+            raise ScriptError(f"{where}.done_after: must be >= 0")
+        return script
+
+
+@dataclass
+class LoadOrder:
+    """One load the scheduler side asks the worker to perform."""
+
+    req_id: ReqId
+    block_ids: list[int]
+    first_token: int  # tokens already computed locally before the load
+    num_tokens: int  # external tokens loaded
+    script: LoadScript
+    block_size: int
+
+    def invalid_block_ids(self) -> set[int]:
+        """Blocks whose tokens did not arrive, for a partial/failed load."""
+        if self.script.outcome == "ok":
+            return set()
+        valid_end = self.first_token
+        if self.script.outcome == "partial":
+            valid_end += max(0, min(self.script.valid_tokens, self.num_tokens))
+        end = self.first_token + self.num_tokens
+        first_bad = valid_end // self.block_size
+        last = math.ceil(end / self.block_size)
+        return set(self.block_ids[first_bad:last])
+
+
+@dataclass
+class ScriptedLoadMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """Scheduler -> worker: loads to start this step."""
+
+    connector_key: str
+    loads: dict[ReqId, LoadOrder] = field(default_factory=dict)
+
+
+class ScriptedLoadConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """Scheduler-side connector whose loads follow per-request scripts.
+
+    ``kv_connector_extra_config``: ``params_key`` (which key of
+    ``kv_transfer_params`` this connector reads; default ``scripted_load``).
+    Two instances with different keys stand for a store loader and a P->D
+    transfer under MultiConnector or the guard connector.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.params_key: str = str(extra.get("params_key", DEFAULT_PARAMS_KEY))
+        self.block_size: int = vllm_config.cache_config.block_size
+        # Set by lookup, read by alloc: where the external range starts.
+        self._lookup_start: dict[ReqId, int] = {}
+        # Set by alloc, drained by build_connector_meta.
+        self._orders: dict[ReqId, LoadOrder] = {}
+        # One-shot loads already started (P->D transfers are not offered twice).
+        self._started: set[ReqId] = set()
+        # Call log, for tests that check which child was asked.
+        self.lookups: list[ReqId] = []
+
+    # ---- scheduler side -------------------------------------------------
+    def script_for(self, request: Request) -> LoadScript | None:
+        params = request.kv_transfer_params or {}
+        if self.params_key not in params:
+            return None
+        where = f"kv_transfer_params.{self.params_key}"
+        return LoadScript.parse(params[self.params_key], where)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        self.lookups.append(request.request_id)
+        script = self.script_for(request)
+        if script is None:
+            return 0, False
+        if request.request_id in self._started and not script.reoffer:
+            return 0, False
+        prompt = request.num_prompt_tokens
+        total = prompt if script.tokens < 0 else min(script.tokens, prompt)
+        if not script.is_async:
+            # A synchronous hit must leave one token to compute.
+            total = min(total, prompt - 1)
+        num_new = max(0, total - num_computed_tokens)
+        self._lookup_start[request.request_id] = num_computed_tokens
+        return num_new, bool(num_new) and script.is_async
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        req_id = request.request_id
+        first = self._lookup_start.pop(req_id, 0)
+        if num_external_tokens <= 0:
+            return
+        script = self.script_for(request)
+        assert script is not None, f"{req_id}: allocated a load it never offered"
+        self._started.add(req_id)
+        self._orders[req_id] = LoadOrder(
+            req_id=req_id,
+            block_ids=list(blocks.get_block_ids()[0]),
+            first_token=first,
+            num_tokens=num_external_tokens,
+            script=script,
+            block_size=self.block_size,
+        )
+
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput
+    ) -> ScriptedLoadMetadata:
+        meta = ScriptedLoadMetadata(connector_key=self.params_key, loads=self._orders)
+        self._orders = {}
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._started.discard(request.request_id)
+        self._lookup_start.pop(request.request_id, None)
+        self._orders.pop(request.request_id, None)
+        return False, None
+
+    # ---- worker side: the driver plays the worker, so these do nothing ----
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+
+def iter_metadata(meta: object) -> Iterator[KVConnectorMetadata]:
+    """Walk connector metadata, descending into MultiConnector's tuple."""
+    if meta is None:
+        return
+    children = getattr(meta, "metadata", None)
+    if isinstance(children, tuple):
+        for child in children:
+            yield from iter_metadata(child)
+    else:
+        yield meta  # type: ignore[misc]
+
+
+@dataclass
+class _Transfer:
+    order: LoadOrder
+    steps_left: int
+
+
+class ScriptedTransferWorker:
+    """The worker half of :class:`ScriptedLoadConnector` (no GPU, no bytes).
+
+    Each :meth:`advance` takes one step's ``SchedulerOutput``, starts the
+    loads ordered in its connector metadata and returns the
+    ``KVConnectorOutput`` the worker would report after this step.
+    """
+
+    def __init__(self) -> None:
+        self._transfers: dict[ReqId, _Transfer] = {}
+        self.started: list[ReqId] = []
+
+    @property
+    def in_flight(self) -> set[ReqId]:
+        return set(self._transfers)
+
+    def advance(
+        self,
+        scheduler_output: SchedulerOutput,
+        extra_finished: Iterable[ReqId] = (),
+        extra_failed: Iterable[ReqId] = (),
+        extra_invalid_blocks: Iterable[int] = (),
+    ) -> KVConnectorOutput:
+        for meta in iter_metadata(scheduler_output.kv_connector_metadata):
+            if isinstance(meta, ScriptedLoadMetadata):
+                for req_id, order in meta.loads.items():
+                    self._transfers[req_id] = _Transfer(order, order.script.done_after)
+                    self.started.append(req_id)
+        finished = set(extra_finished)
+        failed = set(extra_failed)
+        invalid = set(extra_invalid_blocks)
+        for req_id, transfer in list(self._transfers.items()):
+            if transfer.steps_left > 0:
+                transfer.steps_left -= 1
+                continue
+            del self._transfers[req_id]
+            finished.add(req_id)
+            if transfer.order.script.outcome == "fail":
+                failed.add(req_id)
+            elif transfer.order.script.outcome == "partial":
+                invalid |= transfer.order.invalid_block_ids()
+        return KVConnectorOutput(
+            finished_recving=finished or None,
+            failed_recving=failed,
+            invalid_block_ids=invalid,
+        )
+
+    def cancel(self, req_id: ReqId) -> None:
+        """Forget a transfer (e.g. a request aborted before it landed)."""
+        self._transfers.pop(req_id, None)
