@@ -128,12 +128,16 @@ def make_vllm_config(
         if isinstance(kv_transfer_config, dict)
         else kv_transfer_config
     )
-    return VllmConfig(
+    vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=scheduler_config,
         cache_config=cache_config,
         kv_transfer_config=ktc,
     )
+    # vLLM's CPU platform turns async scheduling off; a GPU rank runs it on by
+    # default. Restore the asked-for value so AsyncScheduler paths are driven.
+    vllm_config.scheduler_config.async_scheduling = shape.async_scheduling
+    return vllm_config
 
 
 def make_kv_cache_config(num_blocks: int, block_size: int) -> KVCacheConfig:

@@ -18,6 +18,7 @@ Request life cycle, as scripted by ``kv_transfer_params[<params_key>]``::
      "done_after": 1,       # worker steps until the receive completes
      "outcome": "ok",       # "ok" | "fail" (nothing valid) | "partial"
      "valid_tokens": 0,     # for "partial": tokens that did arrive
+     "failing_attempts": -1,# loads that fail before one succeeds (-1: all)
      "reoffer": false}      # offer the hit again after a preemption
                             # (store-like); a P->D transfer is one-shot
 
@@ -71,12 +72,27 @@ class LoadScript:
     outcome: str = "ok"
     valid_tokens: int = 0
     reoffer: bool = False
+    failing_attempts: int = -1
+
+    def outcome_of_attempt(self, attempt: int) -> str:
+        """Outcome of the ``attempt``-th load (0-based) of this request."""
+        if self.failing_attempts < 0 or attempt < self.failing_attempts:
+            return self.outcome
+        return "ok"
 
     @classmethod
     def parse(cls, raw: object, where: str) -> LoadScript:
         if not isinstance(raw, dict):
             raise ScriptError(f"{where}: expected a mapping, got {raw!r}")
-        known = {"tokens", "async", "done_after", "outcome", "valid_tokens", "reoffer"}
+        known = {
+            "tokens",
+            "async",
+            "done_after",
+            "outcome",
+            "valid_tokens",
+            "reoffer",
+            "failing_attempts",
+        }
         unknown = set(raw) - known
         if unknown:
             raise ScriptError(
@@ -89,6 +105,7 @@ class LoadScript:
             outcome=str(raw.get("outcome", "ok")),
             valid_tokens=int(raw.get("valid_tokens", 0)),
             reoffer=bool(raw.get("reoffer", False)),
+            failing_attempts=int(raw.get("failing_attempts", -1)),
         )
         if script.outcome not in OUTCOMES:
             raise ScriptError(
@@ -109,13 +126,14 @@ class LoadOrder:
     num_tokens: int  # external tokens loaded
     script: LoadScript
     block_size: int
+    outcome: str = "ok"
 
     def invalid_block_ids(self) -> set[int]:
         """Blocks whose tokens did not arrive, for a partial/failed load."""
-        if self.script.outcome == "ok":
+        if self.outcome == "ok":
             return set()
         valid_end = self.first_token
-        if self.script.outcome == "partial":
+        if self.outcome == "partial":
             valid_end += max(0, min(self.script.valid_tokens, self.num_tokens))
         end = self.first_token + self.num_tokens
         first_bad = valid_end // self.block_size
@@ -154,8 +172,8 @@ class ScriptedLoadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._lookup_start: dict[ReqId, int] = {}
         # Set by alloc, drained by build_connector_meta.
         self._orders: dict[ReqId, LoadOrder] = {}
-        # One-shot loads already started (P->D transfers are not offered twice).
-        self._started: set[ReqId] = set()
+        # Loads started per request (P->D transfers are not offered twice).
+        self._attempts: dict[ReqId, int] = {}
         # Call log, for tests that check which child was asked.
         self.lookups: list[ReqId] = []
 
@@ -174,7 +192,7 @@ class ScriptedLoadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         script = self.script_for(request)
         if script is None:
             return 0, False
-        if request.request_id in self._started and not script.reoffer:
+        if self._attempts.get(request.request_id) and not script.reoffer:
             return 0, False
         prompt = request.num_prompt_tokens
         total = prompt if script.tokens < 0 else min(script.tokens, prompt)
@@ -194,7 +212,8 @@ class ScriptedLoadConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         script = self.script_for(request)
         assert script is not None, f"{req_id}: allocated a load it never offered"
-        self._started.add(req_id)
+        attempt = self._attempts.get(req_id, 0)
+        self._attempts[req_id] = attempt + 1
         self._orders[req_id] = LoadOrder(
             req_id=req_id,
             block_ids=list(blocks.get_block_ids()[0]),
@@ -202,6 +221,7 @@ class ScriptedLoadConnector(KVConnectorBase_V1):  # type: ignore[misc]
             num_tokens=num_external_tokens,
             script=script,
             block_size=self.block_size,
+            outcome=script.outcome_of_attempt(attempt),
         )
 
     def build_connector_meta(
@@ -214,7 +234,7 @@ class ScriptedLoadConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._started.discard(request.request_id)
+        self._attempts.pop(request.request_id, None)
         self._lookup_start.pop(request.request_id, None)
         self._orders.pop(request.request_id, None)
         return False, None
@@ -290,9 +310,9 @@ class ScriptedTransferWorker:
                 continue
             del self._transfers[req_id]
             finished.add(req_id)
-            if transfer.order.script.outcome == "fail":
+            if transfer.order.outcome == "fail":
                 failed.add(req_id)
-            elif transfer.order.script.outcome == "partial":
+            elif transfer.order.outcome == "partial":
                 invalid |= transfer.order.invalid_block_ids()
         return KVConnectorOutput(
             finished_recving=finished or None,
