@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
-
 from vllm_mooncake.testing import prepare_offline_env
 
 prepare_offline_env()
 
+# What vLLM does in every process at start-up: load the general plugin.
+from vllm_mooncake.plugin import register  # noqa: E402
 
-@pytest.fixture(autouse=True, scope="session")
-def _offline_env() -> None:
-    prepare_offline_env()
+register()

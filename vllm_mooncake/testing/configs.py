@@ -61,3 +61,19 @@ def store_hit(tokens: int, done_after: int = 1, **more: Any) -> dict[str, Any]:
 def pd_transfer(done_after: int = 1, **more: Any) -> dict[str, Any]:
     """kv_transfer_params for a NIXL-like full-prompt P->D transfer."""
     return {PD_KEY: {"tokens": -1, "done_after": done_after, **more}}
+
+
+def guarded(
+    policy: str = "reserve+lateral",
+    kv_load_failure_policy: str = "fail",
+    children: list[dict[str, Any]] | None = None,
+    **guard: Any,
+) -> dict[str, Any]:
+    """The guard connector over [store child, P->D child], strict ledger."""
+    section = {"policy": policy, "strict": True, **guard}
+    return scripted_multi(
+        kv_connector="WedgeGuardConnector",
+        guard=section,
+        kv_load_failure_policy=kv_load_failure_policy,
+        children=children,
+    )

@@ -137,6 +137,11 @@ def make_vllm_config(
     # vLLM's CPU platform turns async scheduling off; a GPU rank runs it on by
     # default. Restore the asked-for value so AsyncScheduler paths are driven.
     vllm_config.scheduler_config.async_scheduling = shape.async_scheduling
+    if scheduler_cls is None:
+        # Re-run the plugin's choice now that async scheduling is settled.
+        from vllm_mooncake.plugin import configure_for_guard
+
+        configure_for_guard(vllm_config)
     return vllm_config
 
 

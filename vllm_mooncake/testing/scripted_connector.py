@@ -178,6 +178,10 @@ class ScriptedLoadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.lookups: list[ReqId] = []
 
     # ---- scheduler side -------------------------------------------------
+    def claim_keys(self) -> frozenset[str]:
+        """The ``kv_transfer_params`` key this child's loads carry (routing)."""
+        return frozenset({self.params_key})
+
     def script_for(self, request: Request) -> LoadScript | None:
         params = request.kv_transfer_params or {}
         if self.params_key not in params:

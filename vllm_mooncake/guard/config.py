@@ -1,0 +1,175 @@
+"""The guard section of ``kv_transfer_config`` and its validation.
+
+::
+
+    {"kv_connector": "WedgeGuardConnector",
+     "kv_role": "kv_both",
+     "kv_connector_extra_config": {
+         "connectors": [<Mooncake child>, <NIXL child>],
+         "wedge_guard": {"policy": "reserve+lateral", "max_attempts": 16,
+                         "stall_alarm_steps": 2000, "only_when_idle": true,
+                         "strict": false}}}
+
+Every error names the field and says how to fix it, and is raised at start-up
+(when vLLM builds the connector), before any request is accepted.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+GUARD_SECTION = "wedge_guard"
+FIELD_PREFIX = f"kv_transfer_config.kv_connector_extra_config.{GUARD_SECTION}"
+
+
+class GuardConfigError(ValueError):
+    """A malformed guard configuration; the message names the field and fix."""
+
+
+class Policy(enum.Enum):
+    # Upstream vLLM admission (async-load reservation); the guard only
+    # observes, counts and raises the wedge alarm.
+    RESERVE = "reserve"
+    # Upstream reservation plus the lateral-preemption valve.
+    RESERVE_LATERAL = "reserve+lateral"
+    # No async-load reservation; admission against the blocks free now, and
+    # the valve resolves the wedges that this allows.
+    LATERAL = "lateral"
+    # No reservation and no valve: pre-0.23 admission. For reproducing the
+    # seed wedge only -- it wedges.
+    NO_RESERVE = "no-reserve"
+
+    @property
+    def reserves(self) -> bool:
+        return self in (Policy.RESERVE, Policy.RESERVE_LATERAL)
+
+    @property
+    def lateral(self) -> bool:
+        return self in (Policy.RESERVE_LATERAL, Policy.LATERAL)
+
+
+POLICY_NAMES = tuple(p.value for p in Policy)
+DEFAULT_POLICY = Policy.RESERVE_LATERAL
+MAX_ATTEMPTS_RANGE = (1, 1024)
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    policy: Policy = DEFAULT_POLICY
+    # Lateral preemptions allowed per schedule() call.
+    max_attempts: int = 16
+    # Zero-token steps, with block holders waiting, before the wedge alarm.
+    stall_alarm_steps: int = 2000
+    # Fire the valve only when nothing is running (a stall with running
+    # requests ends by itself when they free blocks).
+    only_when_idle: bool = True
+    # Raise on a ledger inconsistency instead of logging it (tests).
+    strict: bool = False
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> GuardConfig:
+        """Parse ``kv_connector_extra_config``; validate the guard section."""
+        raw = (extra or {}).get(GUARD_SECTION, {})
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, Mapping):
+            raise GuardConfigError(
+                f"{FIELD_PREFIX}: expected a JSON object, got {type(raw).__name__}; "
+                f'write e.g. {{"policy": "{DEFAULT_POLICY.value}"}}'
+            )
+        known = {"policy", "max_attempts", "stall_alarm_steps", "only_when_idle", "strict"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise GuardConfigError(
+                f"{FIELD_PREFIX}.{unknown[0]}: unknown field; "
+                f"the known fields are {sorted(known)}"
+            )
+        return cls(
+            policy=_policy(raw.get("policy", DEFAULT_POLICY.value)),
+            max_attempts=_int_in(
+                raw, "max_attempts", cls.max_attempts, *MAX_ATTEMPTS_RANGE
+            ),
+            stall_alarm_steps=_int_in(
+                raw, "stall_alarm_steps", cls.stall_alarm_steps, 1, 10**9
+            ),
+            only_when_idle=_bool(raw, "only_when_idle", cls.only_when_idle),
+            strict=_bool(raw, "strict", cls.strict),
+        )
+
+    def with_policy(self, policy: Policy | str) -> GuardConfig:
+        from dataclasses import replace
+
+        return replace(self, policy=_policy(policy))
+
+
+def _policy(value: object) -> Policy:
+    if isinstance(value, Policy):
+        return value
+    if isinstance(value, str):
+        for p in Policy:
+            if p.value == value.strip().lower():
+                return p
+    raise GuardConfigError(
+        f"{FIELD_PREFIX}.policy: {value!r} is not a policy; "
+        f"use one of {', '.join(repr(n) for n in POLICY_NAMES)}"
+    )
+
+
+def _int_in(raw: Mapping[str, Any], name: str, default: int, lo: int, hi: int) -> int:
+    value = raw.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise GuardConfigError(
+            f"{FIELD_PREFIX}.{name}: expected an integer, got {value!r} "
+            f"({type(value).__name__}); write e.g. {default}"
+        )
+    if not lo <= value <= hi:
+        raise GuardConfigError(
+            f"{FIELD_PREFIX}.{name}: {value} is out of range; use {lo}..{hi}"
+        )
+    return value
+
+
+def _bool(raw: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = raw.get(name, default)
+    if not isinstance(value, bool):
+        raise GuardConfigError(
+            f"{FIELD_PREFIX}.{name}: expected true or false, got {value!r}"
+        )
+    return value
+
+
+def validate_children(extra: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:
+    """Check ``connectors``: a non-empty list of distinct child configs."""
+    field = "kv_transfer_config.kv_connector_extra_config.connectors"
+    children = (extra or {}).get("connectors")
+    if children is None:
+        raise GuardConfigError(
+            f"{field}: missing; list the child connectors, e.g. "
+            '[{"kv_connector": "MooncakeConnector", ...}, '
+            '{"kv_connector": "NixlConnector", ...}]'
+        )
+    if not isinstance(children, list) or not children:
+        raise GuardConfigError(
+            f"{field}: expected a non-empty list of child connector configs, "
+            f"got {children!r}"
+        )
+    seen: dict[str, int] = {}
+    for i, child in enumerate(children):
+        where = f"{field}[{i}]"
+        if not isinstance(child, Mapping):
+            raise GuardConfigError(f"{where}: expected a JSON object, got {child!r}")
+        name = child.get("kv_connector")
+        if not isinstance(name, str) or not name:
+            raise GuardConfigError(
+                f"{where}.kv_connector: missing; name the child, e.g. NixlConnector"
+            )
+        key = repr(sorted((k, repr(v)) for k, v in child.items()))
+        if key in seen:
+            raise GuardConfigError(
+                f"{where}: duplicates {field}[{seen[key]}]; list each child once"
+            )
+        seen[key] = i
+    return list(children)

@@ -1,0 +1,217 @@
+"""``WedgeGuardConnector``: vLLM's MultiConnector plus a block ledger.
+
+A facade: every worker-side call is MultiConnector's, unchanged. On the
+scheduler side each hook is forwarded to MultiConnector (or, for a request
+whose ``kv_transfer_params`` name a child, to that child alone) and then fed
+to :class:`~vllm_mooncake.guard.ledger.BlockLedger`:
+
+=========================  ============================================
+vLLM hook                  ledger
+=========================  ============================================
+on_new_request             on_arrival
+get_num_new_matched_tokens on_lookup (owner child, async or not)
+update_state_after_alloc   on_alloc (receive in flight if async)
+build_connector_meta       on_scheduled / on_preempted
+update_connector_output    accept_recv_complete (drops duplicate and late
+                           notices *before* vLLM's scheduler reads them)
+request_finished[_all...]  on_finished
+=========================  ============================================
+
+The guarded scheduler (``guard/scheduler.py``) asks :meth:`pick_victim`
+for a lateral victim and reports what it did with
+:meth:`on_lateral_preemption`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+    MultiConnector,
+)
+from vllm.logger import init_logger
+
+from vllm_mooncake.guard.config import GuardConfig, validate_children
+from vllm_mooncake.guard.ledger import (
+    BlockLedger,
+    HolderView,
+    LedgerError,
+    Victim,
+)
+from vllm_mooncake.guard.routing import ChildRouter, UnroutableRequest
+from vllm_mooncake.guard.stats import GuardStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+T = TypeVar("T")
+
+
+class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
+    """MultiConnector that knows who holds which KV blocks, and why."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        ktc = vllm_config.kv_transfer_config
+        extra = ktc.kv_connector_extra_config if ktc is not None else {}
+        # Validate before any child is built: errors at start-up, by field.
+        self.guard_config = GuardConfig.from_extra_config(extra)
+        validate_children(extra)
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.ledger = BlockLedger()
+        self.stats = GuardStats()
+        self.router = ChildRouter.for_children(self._connectors)
+        self._is_scheduler = role == KVConnectorRole.SCHEDULER
+
+    @property
+    def child_names(self) -> tuple[str, ...]:
+        return self.router.names
+
+    # ---- ledger calls: log (or raise, when strict) inconsistencies --------------
+    def _ledger(self, call: Callable[..., T], *args: Any) -> T | None:
+        try:
+            return call(*args)
+        except LedgerError:
+            self.stats.ledger_errors += 1
+            if self.guard_config.strict:
+                raise
+            logger.exception("wedge guard ledger inconsistency (continuing)")
+            return None
+
+    # ---- scheduler side -----------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        super().on_new_request(request)
+        self._ledger(self.ledger.on_arrival, request.request_id)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        req_id = request.request_id
+        try:
+            owner = self.router.owner_for(request.kv_transfer_params)
+        except UnroutableRequest as exc:
+            self.stats.unroutable_requests += 1
+            logger.error("request %s: %s Computing it locally instead.", req_id, exc)
+            self._requests_to_connector.pop(req_id, None)
+            self._ledger(self.ledger.on_lookup, req_id, None, 0, False)
+            return 0, False
+        if owner is None:
+            num_tokens, is_async = super().get_num_new_matched_tokens(
+                request, num_computed_tokens
+            )
+            if num_tokens is None:
+                return None, False
+            owner = self._requests_to_connector.get(req_id) if num_tokens else None
+        else:
+            child = self._connectors[owner]
+            num_tokens, is_async = child.get_num_new_matched_tokens(
+                request, num_computed_tokens
+            )
+            if num_tokens is None:
+                return None, False
+        if num_tokens and owner is not None:
+            self._requests_to_connector[req_id] = owner
+        else:
+            self._requests_to_connector.pop(req_id, None)
+        owner_name = self.child_names[owner] if owner is not None else None
+        self._ledger(self.ledger.on_lookup, req_id, owner_name, num_tokens, is_async)
+        return num_tokens, is_async
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        num_blocks = len(blocks.get_block_ids()[0]) if blocks.blocks else 0
+        self._ledger(
+            self.ledger.on_alloc, request.request_id, num_blocks, num_external_tokens
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        for req_id in scheduler_output.preempted_req_ids or ():
+            self.ledger.on_preempted(req_id)
+        for new in scheduler_output.scheduled_new_reqs:
+            self._ledger(
+                self.ledger.on_scheduled,
+                new.req_id,
+                new.num_computed_tokens,
+                len(new.block_ids[0]) if new.block_ids else 0,
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            entry = self.ledger.get(req_id)
+            blocks = entry.num_blocks if entry else 0
+            new_ids = cached.new_block_ids[i] if cached.new_block_ids else None
+            if new_ids:
+                blocks += len(new_ids[0])
+            self._ledger(
+                self.ledger.on_scheduled, req_id, cached.num_computed_tokens[i], blocks
+            )
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Drop duplicate and late receive notices, then forward.
+
+        vLLM's scheduler calls this *before* it reads ``finished_recving``
+        itself, so the filtered set is also what the scheduler acts on: a
+        duplicate (two children reporting one request, upstream #53049) or a
+        late notice for a finished request would trip its assert or free
+        blocks twice.
+        """
+        if connector_output.finished_recving:
+            failed = connector_output.failed_recving or set()
+            kept = self._accepted_recvs(connector_output.finished_recving, failed)
+            connector_output.finished_recving = kept or None
+            if connector_output.failed_recving:
+                connector_output.failed_recving = {r for r in failed if r in kept}
+        super().update_connector_output(connector_output)
+
+    def _accepted_recvs(self, finished: Iterable[str], failed: set[str]) -> set[str]:
+        kept = set()
+        before = self.ledger.dropped.__dict__.copy()
+        for req_id in finished:
+            if self.ledger.accept_recv_complete(req_id, req_id in failed):
+                kept.add(req_id)
+        for kind, n in self.ledger.dropped.__dict__.items():
+            if n > before[kind]:
+                self.stats.dropped_recv_notices[kind] += n - before[kind]
+                logger.warning(
+                    "wedge guard dropped %d %s receive notice(s)", n - before[kind], kind
+                )
+        return kept
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        result = super().request_finished(request, block_ids)
+        self.ledger.on_finished(request.request_id)
+        return result  # type: ignore[no-any-return]
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        result = super().request_finished_all_groups(request, block_ids)
+        self.ledger.on_finished(request.request_id)
+        return result  # type: ignore[no-any-return]
+
+    # ---- the guard's own API, for the guarded scheduler ---------------------------
+    def pick_victim(self, views: Iterable[HolderView], target: str) -> Victim | None:
+        return self.ledger.pick_victim(views, target)
+
+    def on_lateral_preemption(self, victim: Victim) -> None:
+        self._ledger(self.ledger.on_lateral_preempt, victim.req_id)
+        self._requests_to_connector.pop(victim.req_id, None)
+        key = (victim.reason.value, victim.owner or "none")
+        self.stats.lateral_preemptions[key] += 1

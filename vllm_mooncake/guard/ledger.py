@@ -1,0 +1,298 @@
+"""The block ledger: what every request holds, who loads it, where its receive is.
+
+A plain class with no vLLM import. The guard connector feeds it from vLLM's
+scheduler-side connector hooks; the guarded scheduler asks it for a lateral
+victim. Life cycle of a request, as the ledger sees it::
+
+    1. arrived     on_arrival          (connector.on_new_request)
+    2. looked up   on_lookup           (get_num_new_matched_tokens: the owning
+                                        child and whether the load is async)
+    3. allocated   on_alloc            (update_state_after_alloc)
+                   -> recv IN_FLIGHT if an async load started
+    4. received    on_recv_complete    (update_connector_output)
+                   -> recv DONE or FAILED; duplicates and late notices dropped
+    5. promoted / running
+                   on_scheduled        (build_connector_meta: the worker now
+                                        knows the request; ``executed`` is set)
+    6. preempted   on_preempted        (running-side, vLLM's own) or
+                   on_lateral_preempt  (ours): blocks gone, back to 2.
+    7. finished    on_finished         (request_finished): the entry goes,
+                   unless a receive is still in flight -- then it drains
+                   until that receive lands (its blocks are freed then).
+
+Lateral candidates (:meth:`BlockLedger.pick_victim`) are waiting requests
+that hold blocks and whose receive is not in flight: recv-done
+WAITING_FOR_REMOTE_KVS requests, and promoted-but-never-run WAITING /
+PREEMPTED holders. Never RUNNING, never waiting for a grammar, never the
+request being admitted. Least progressed first, ties by latest arrival.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+ReqId = str
+
+
+class LedgerError(RuntimeError):
+    """A hook arrived that the request's current state does not allow."""
+
+
+class RecvState(enum.Enum):
+    # No async receive: no load, a synchronous load, or blocks already given up.
+    NONE = "none"
+    # An async receive started; a transfer may still be writing the blocks.
+    IN_FLIGHT = "in_flight"
+    # The receive completed; the blocks hold the loaded KV.
+    DONE = "done"
+    # The receive completed with a failure (fully or partly invalid KV).
+    FAILED = "failed"
+
+
+class WaitStatus(enum.Enum):
+    """The scheduler's status of a request, as far as the guard cares."""
+
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
+    WAITING = "waiting"
+    PREEMPTED = "preempted"
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"
+    RUNNING = "running"
+    OTHER = "other"
+
+
+class VictimReason(enum.Enum):
+    # WAITING_FOR_REMOTE_KVS whose receive finished but was never promoted.
+    RECV_DONE = "recv_done"
+    # Promoted after its load (WAITING / PREEMPTED) and not run since.
+    PROMOTED_IDLE = "promoted_idle"
+
+
+@dataclass
+class LedgerEntry:
+    req_id: ReqId
+    arrival: int  # arrival order, 0-based
+    owner: str | None = None  # child connector that owns the load
+    recv: RecvState = RecvState.NONE
+    num_blocks: int = 0  # blocks held, as of the last allocation we saw
+    computed_tokens: int = 0
+    executed: bool = False  # ever sent to the worker as a new request
+    finished: bool = False  # finished while a receive was in flight
+    pending_async: bool = False  # the last lookup offered an async load
+
+
+@dataclass(frozen=True)
+class HolderView:
+    """What the scheduler sees of one waiting request right now."""
+
+    req_id: ReqId
+    status: WaitStatus
+    num_computed_tokens: int
+    num_blocks: int
+    recv_finished: bool  # in the scheduler's finished-receive set
+
+
+@dataclass(frozen=True)
+class Victim:
+    req_id: ReqId
+    reason: VictimReason
+    owner: str | None
+    num_blocks: int
+    num_computed_tokens: int
+
+
+@dataclass
+class DroppedNotices:
+    duplicate: int = 0  # a second completion for a receive already completed
+    late: int = 0  # a completion for a request the ledger no longer tracks
+    unexpected: int = 0  # a completion for a request with no receive
+
+
+class BlockLedger:
+    """Per-request KV ownership and receive state, fed by connector hooks."""
+
+    def __init__(self) -> None:
+        # Added by on_arrival; removed by on_finished (or, for a request that
+        # finished mid-receive, by the completion of that receive).
+        self._entries: dict[ReqId, LedgerEntry] = {}
+        # Requests whose entries were removed: completions for them are late.
+        # Bounded: we keep the most recent ids only.
+        self._gone: dict[ReqId, None] = {}
+        self._arrivals = 0
+        self.dropped = DroppedNotices()
+
+    # ---- queries -------------------------------------------------------------
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, req_id: ReqId) -> LedgerEntry | None:
+        return self._entries.get(req_id)
+
+    def entries(self) -> list[LedgerEntry]:
+        return list(self._entries.values())
+
+    def has_executed(self, req_id: ReqId) -> bool:
+        entry = self._entries.get(req_id)
+        return entry is not None and entry.executed
+
+    def recv_state(self, req_id: ReqId) -> RecvState | None:
+        entry = self._entries.get(req_id)
+        return None if entry is None else entry.recv
+
+    def in_flight(self) -> set[ReqId]:
+        return {e.req_id for e in self._entries.values() if e.recv is RecvState.IN_FLIGHT}
+
+    # ---- transitions -----------------------------------------------------------
+    def on_arrival(self, req_id: ReqId) -> None:
+        if req_id in self._entries:
+            raise LedgerError(f"{req_id}: arrived twice (already tracked)")
+        self._gone.pop(req_id, None)
+        self._entries[req_id] = LedgerEntry(req_id, self._arrivals)
+        self._arrivals += 1
+
+    def on_lookup(
+        self, req_id: ReqId, owner: str | None, num_tokens: int, is_async: bool
+    ) -> None:
+        entry = self._require(req_id, "lookup")
+        if entry.recv is RecvState.IN_FLIGHT:
+            raise LedgerError(f"{req_id}: looked up again while its receive is in flight")
+        entry.owner = owner if num_tokens > 0 else None
+        entry.pending_async = bool(num_tokens > 0 and is_async)
+
+    def on_alloc(self, req_id: ReqId, num_blocks: int, num_external_tokens: int) -> None:
+        entry = self._require(req_id, "alloc")
+        entry.num_blocks = num_blocks
+        if num_external_tokens > 0 and entry.pending_async:
+            if entry.recv is RecvState.IN_FLIGHT:
+                raise LedgerError(f"{req_id}: a second receive started before the first")
+            entry.recv = RecvState.IN_FLIGHT
+        entry.pending_async = False
+
+    def on_scheduled(self, req_id: ReqId, computed_tokens: int, num_blocks: int) -> None:
+        entry = self._entries.get(req_id)
+        if entry is None:
+            return  # scheduled requests not routed through us (e.g. streaming)
+        if entry.recv is RecvState.IN_FLIGHT:
+            raise LedgerError(f"{req_id}: scheduled while its receive is in flight")
+        entry.executed = True
+        entry.computed_tokens = computed_tokens
+        entry.num_blocks = num_blocks
+        entry.recv = RecvState.NONE
+
+    def accept_recv_complete(self, req_id: ReqId, failed: bool) -> bool:
+        """Record a receive completion; False means drop the notice.
+
+        Only a receive in flight can complete. A second notice (MultiConnector
+        unions its children's, upstream #53049) is a duplicate; a notice for a
+        request already gone is late -- passing either on trips vLLM's assert
+        and can free blocks twice.
+        """
+        entry = self._entries.get(req_id)
+        if entry is None:
+            if req_id in self._gone:
+                self.dropped.late += 1
+            else:
+                self.dropped.unexpected += 1
+            return False
+        if entry.recv is not RecvState.IN_FLIGHT:
+            if entry.recv in (RecvState.DONE, RecvState.FAILED):
+                self.dropped.duplicate += 1
+            else:
+                self.dropped.unexpected += 1
+            return False
+        entry.recv = RecvState.FAILED if failed else RecvState.DONE
+        if entry.finished:
+            self._remove(req_id)  # its blocks are freed by vLLM now
+        return True
+
+    def on_preempted(self, req_id: ReqId) -> None:
+        """vLLM preempted a running request: its blocks are gone."""
+        entry = self._entries.get(req_id)
+        if entry is not None and entry.recv is not RecvState.IN_FLIGHT:
+            entry.num_blocks = 0
+            entry.computed_tokens = 0
+
+    def on_lateral_preempt(self, req_id: ReqId) -> None:
+        entry = self._require(req_id, "lateral preemption")
+        if entry.recv is RecvState.IN_FLIGHT:
+            raise LedgerError(f"{req_id}: lateral preemption while a receive is in flight")
+        entry.recv = RecvState.NONE
+        entry.num_blocks = 0
+        entry.computed_tokens = 0
+
+    def on_finished(self, req_id: ReqId) -> None:
+        entry = self._entries.get(req_id)
+        if entry is None:
+            return
+        if entry.recv is RecvState.IN_FLIGHT:
+            entry.finished = True  # drains when the receive lands
+        else:
+            self._remove(req_id)
+
+    # ---- the candidate rule ---------------------------------------------------
+    def candidate_reason(self, view: HolderView, target: ReqId) -> VictimReason | None:
+        """Why ``view`` may be preempted laterally to admit ``target``, or None."""
+        entry = self._entries.get(view.req_id)
+        if view.req_id == target or entry is None or view.num_blocks <= 0:
+            return None
+        if entry.recv is RecvState.IN_FLIGHT:
+            return None  # a transfer may still be writing into those blocks
+        if view.status is WaitStatus.WAITING_FOR_REMOTE_KVS:
+            if view.recv_finished and entry.recv in (RecvState.DONE, RecvState.FAILED):
+                return VictimReason.RECV_DONE
+            return None
+        if view.status in (WaitStatus.WAITING, WaitStatus.PREEMPTED):
+            return VictimReason.PROMOTED_IDLE
+        return None  # RUNNING, grammar waits, anything else
+
+    def pick_victim(self, views: Iterable[HolderView], target: ReqId) -> Victim | None:
+        """Least progressed candidate; ties go to the latest arrival."""
+        best: tuple[tuple[int, int], Victim] | None = None
+        for view in views:
+            reason = self.candidate_reason(view, target)
+            if reason is None:
+                continue
+            entry = self._entries[view.req_id]
+            key = (view.num_computed_tokens, -entry.arrival)
+            if best is None or key < best[0]:
+                victim = Victim(
+                    view.req_id,
+                    reason,
+                    entry.owner,
+                    view.num_blocks,
+                    view.num_computed_tokens,
+                )
+                best = (key, victim)
+        return None if best is None else best[1]
+
+    def snapshot(self, views: Iterable[HolderView]) -> str:
+        """One line per waiting holder, for the wedge log line."""
+        parts = []
+        for view in views:
+            entry = self._entries.get(view.req_id)
+            recv = entry.recv.value if entry else "untracked"
+            owner = entry.owner if entry else None
+            parts.append(
+                f"{view.req_id}[{view.status.value} recv={recv} owner={owner} "
+                f"blocks={view.num_blocks} computed={view.num_computed_tokens}]"
+            )
+        return " ".join(parts) or "(no waiting holders)"
+
+    # ---- internals ------------------------------------------------------------
+    def _require(self, req_id: ReqId, what: str) -> LedgerEntry:
+        entry = self._entries.get(req_id)
+        if entry is None:
+            raise LedgerError(f"{req_id}: {what} for a request the ledger never saw arrive")
+        if entry.finished:
+            raise LedgerError(f"{req_id}: {what} after the request finished")
+        return entry
+
+    def _remove(self, req_id: ReqId) -> None:
+        del self._entries[req_id]
+        self._gone[req_id] = None
+        if len(self._gone) > 65536:
+            self._gone.pop(next(iter(self._gone)))

@@ -1,0 +1,269 @@
+"""The guarded schedulers: lateral preemption when admission fails.
+
+Life cycle of a wedge and its resolution (vLLM 0.32):
+
+1. Requests A and B hold KV blocks without having run: B's receive finished,
+   A was promoted after its own load. Both wait in ``kv_holding_waiting``.
+2. ``schedule()`` peeks A and asks ``KVCacheManager.allocate_slots`` for A's
+   next chunk; there are not enough free blocks, it returns ``None`` and the
+   admission loop ``break``s. Nothing runs, so vLLM's running-side
+   preemption has no victim; every later step repeats 2. -- a wedge.
+3. The guard wraps ``allocate_slots`` on this scheduler's instance (the one
+   place both loops allocate). On a ``None`` for a request being *admitted*
+   (not RUNNING), when nothing is running (``only_when_idle``), it asks the
+   guard connector's ledger for a lateral victim (recv-done or
+   promoted-but-idle holder; never in flight, never RUNNING, never A), undoes
+   the victim's admission, and retries -- at most ``max_attempts`` times per
+   ``schedule()`` call.
+4. Undoing an admission leaves vLLM's state as if the victim had never been
+   admitted, less what it cached: out of the holder queue, loaded blocks
+   cached, out of the receive sets, blocks freed, out of the reservation set,
+   ``num_preemptions`` counted, and back at the front of ``waiting`` as
+   WAITING (the worker never saw it: it must arrive as new) or PREEMPTED (it
+   ran before: it resumes).
+
+Nothing of ``Scheduler.schedule()`` is copied: the subclasses override
+``schedule`` (to reset the per-call budget and watch for stalls),
+``_inflight_prefill_reserved_blocks`` (policies without reservation) and
+``_handle_blocked_waiting_request`` (status fix for never-executed victims),
+each calling ``super()``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreEventType
+from vllm.v1.request import Request, RequestStatus
+
+from vllm_mooncake.guard.config import GuardConfigError
+from vllm_mooncake.guard.connector import WedgeGuardConnector
+from vllm_mooncake.guard.ledger import HolderView, Victim, WaitStatus
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    _Base = Scheduler
+else:
+    _Base = object
+
+logger = init_logger(__name__)
+
+_STATUS = {
+    RequestStatus.WAITING_FOR_REMOTE_KVS: WaitStatus.WAITING_FOR_REMOTE_KVS,
+    RequestStatus.WAITING: WaitStatus.WAITING,
+    RequestStatus.PREEMPTED: WaitStatus.PREEMPTED,
+    RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR: WaitStatus.WAITING_FOR_GRAMMAR,
+    RequestStatus.RUNNING: WaitStatus.RUNNING,
+}
+
+
+class WedgeGuardMixin(_Base):
+    """Adds the lateral-preemption valve to a vLLM ``Scheduler`` subclass.
+
+    Compose it in front of any Scheduler class:
+    ``class MyGuarded(WedgeGuardMixin, MyScheduler): pass``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        connector = self.connector
+        if not isinstance(connector, WedgeGuardConnector):
+            raise GuardConfigError(
+                f"{type(self).__name__} needs kv_transfer_config.kv_connector="
+                f"'WedgeGuardConnector', got {type(connector).__name__ if connector else None}; "
+                "configure the guard connector or use vLLM's own scheduler class"
+            )
+        self.wedge_guard: WedgeGuardConnector = connector
+        self._lateral_budget = 0
+        self._lateral_this_call: list[tuple[Victim, str]] = []
+        self._stall_steps = 0
+        self._alarm_raised = False
+        self._install_admission_valve()
+
+    # ---- the valve -------------------------------------------------------------
+    def _install_admission_valve(self) -> None:
+        """Wrap ``allocate_slots`` on this scheduler's KVCacheManager instance.
+
+        Why: the admission loop's allocation failure is not a hook; it
+        ``break``s inside ``schedule()``, which must not be copied.
+        How: an instance attribute shadows the bound method; only this
+        scheduler's manager is affected, and the wrapper calls the original.
+        Upstream: vLLM closed the lateral-preemption PR (#40968) and merged
+        an admission-time reservation (#44560) instead.
+        Removal: when vLLM offers an admission-failure hook or resolves
+        W1/W2 itself.
+        """
+        manager = self.kv_cache_manager
+        stock_allocate = manager.allocate_slots
+
+        def allocate_slots(
+            request: Request, *args: Any, **kwargs: Any
+        ) -> KVCacheBlocks | None:
+            blocks = stock_allocate(request, *args, **kwargs)
+            while blocks is None and self._may_preempt_for(request):
+                victim = self._choose_victim(request)
+                if victim is None:
+                    break
+                self._preempt_laterally(victim, request)
+                if kwargs.get("reserved_blocks"):
+                    kwargs["reserved_blocks"] = (
+                        self._inflight_prefill_reserved_blocks()
+                        + self._spec_decode_step_blocks
+                    )
+                blocks = stock_allocate(request, *args, **kwargs)
+            return blocks
+
+        manager.allocate_slots = allocate_slots
+
+    def _may_preempt_for(self, request: Request) -> bool:
+        config = self.wedge_guard.guard_config
+        if not config.policy.lateral:
+            return False
+        if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            return False  # RUNNING: the running loop's own preemption applies
+        if config.only_when_idle and self.running:
+            return False  # running requests will free blocks: not a wedge
+        if self._lateral_budget <= 0:
+            self.wedge_guard.stats.attempts_exhausted += 1
+            return False
+        return True
+
+    def _holder_views(self) -> list[HolderView]:
+        views = []
+        for queue in (self.kv_holding_waiting, self.waiting):
+            for request in queue:
+                if not self._holds_kv_blocks(request):
+                    continue
+                block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+                views.append(
+                    HolderView(
+                        req_id=request.request_id,
+                        status=_STATUS.get(request.status, WaitStatus.OTHER),
+                        num_computed_tokens=request.num_computed_tokens,
+                        num_blocks=len(block_ids[0]) if block_ids else 0,
+                        recv_finished=request.request_id
+                        in self.finished_recving_kv_req_ids,
+                    )
+                )
+        return views
+
+    def _choose_victim(self, target: Request) -> Victim | None:
+        return self.wedge_guard.pick_victim(self._holder_views(), target.request_id)
+
+    def _preempt_laterally(self, victim: Victim, target: Request) -> None:
+        """Undo ``victim``'s admission (see the module docstring, step 4)."""
+        request = self.requests[victim.req_id]
+        req_id = request.request_id
+        self._lateral_budget -= 1
+        self._lateral_this_call.append((victim, target.request_id))
+        if request in self.kv_holding_waiting:
+            self.kv_holding_waiting.remove_request(request)
+        else:
+            self.waiting.remove_request(request)
+        if (
+            request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            and req_id in self.finished_recving_kv_req_ids
+        ):
+            # Cache what the receive loaded so re-admission hits the prefix
+            # cache (frees the blocks itself after a failed load).
+            self._update_waiting_for_remote_kv(request)
+        self.finished_recving_kv_req_ids.discard(req_id)
+        self.failed_recving_kv_req_ids.discard(req_id)
+        self._free_request_blocks(request)
+        self.encoder_cache_manager.free(request)
+        self._inflight_prefills.discard(request)
+        self._set_kv_fetch_stage(request, None)
+        self.deferred_waiting.discard(request)
+        request.num_computed_tokens = 0
+        executed = self.wedge_guard.ledger.has_executed(req_id)
+        request.status = RequestStatus.PREEMPTED if executed else RequestStatus.WAITING
+        request.num_preemptions += 1
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.PREEMPTED, time.monotonic())
+        self.waiting.prepend_request(request)
+        self.reset_preempted_req_ids.add(req_id)
+        self.wedge_guard.on_lateral_preemption(victim)
+
+    # ---- overrides (each calls super) -------------------------------------------
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        self._lateral_budget = self.wedge_guard.guard_config.max_attempts
+        self._lateral_this_call = []
+        output = super().schedule(*args, **kwargs)
+        self._after_schedule(output)
+        return output
+
+    def _inflight_prefill_reserved_blocks(self) -> int:
+        if not self.wedge_guard.guard_config.policy.reserves:
+            return 0
+        return int(super()._inflight_prefill_reserved_blocks())
+
+    def _handle_blocked_waiting_request(self, request: Request) -> bool:
+        ready = bool(super()._handle_blocked_waiting_request(request))
+        if request.status == RequestStatus.PREEMPTED and not (
+            self.wedge_guard.ledger.has_executed(request.request_id)
+        ):
+            # vLLM promotes to PREEMPTED when num_preemptions > 0; a lateral
+            # victim that never ran must reach the worker as a new request.
+            request.status = RequestStatus.WAITING
+        return ready
+
+    # ---- observation: gauges, the WARNING line, the wedge alarm -----------------
+    def _after_schedule(self, output: SchedulerOutput) -> None:
+        stats = self.wedge_guard.stats
+        views = self._holder_views()
+        stats.recv_done_holders_waiting = sum(
+            1 for v in views if v.status is WaitStatus.WAITING_FOR_REMOTE_KVS and v.recv_finished
+        )
+        stats.blocks_held_by_non_running = sum(v.num_blocks for v in views)
+        if self._lateral_this_call:
+            self._report_resolution(views)
+        stalled = output.total_num_scheduled_tokens == 0 and not self.running and views
+        self._stall_steps = self._stall_steps + 1 if stalled else 0
+        stats.stalled_steps = self._stall_steps
+        alarm_at = self.wedge_guard.guard_config.stall_alarm_steps
+        if self._stall_steps >= alarm_at and not self._alarm_raised:
+            self._alarm_raised = True
+            stats.wedges_detected += 1
+            logger.error(
+                "wedge alarm: no token scheduled for %d steps while %d waiting "
+                "request(s) hold %d KV blocks and none runs; policy=%s; holders: %s",
+                self._stall_steps,
+                len(views),
+                stats.blocks_held_by_non_running,
+                self.wedge_guard.guard_config.policy.value,
+                self.wedge_guard.ledger.snapshot(views),
+            )
+        elif not stalled:
+            self._alarm_raised = False
+
+    def _report_resolution(self, views: list[HolderView]) -> None:
+        self.wedge_guard.stats.wedges_resolved += 1
+        moves = ", ".join(
+            f"{v.req_id} ({v.reason.value}, owner={v.owner}, {v.num_blocks} blocks) "
+            f"for {target}"
+            for v, target in self._lateral_this_call
+        )
+        logger.warning(
+            "wedge guard: admission failed with nothing running; lateral "
+            "preemption of %s; waiting holders now: %s",
+            moves,
+            self.wedge_guard.ledger.snapshot(views),
+        )
+
+
+class WedgeGuardScheduler(WedgeGuardMixin, Scheduler):  # type: ignore[misc]
+    """vLLM's ``Scheduler`` with the wedge guard."""
+
+
+class WedgeGuardAsyncScheduler(WedgeGuardMixin, AsyncScheduler):  # type: ignore[misc]
+    """vLLM's ``AsyncScheduler`` (on by default) with the wedge guard.
+
+    MRO: WedgeGuardMixin -> AsyncScheduler -> Scheduler, so the guard's
+    overrides wrap AsyncScheduler's, which wrap Scheduler's.
+    """

@@ -1,0 +1,86 @@
+"""Guard counters and gauges: a plain object the scheduler, the simulator and
+the Prometheus adapter all read (no vLLM import)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class GuardStats:
+    # (reason, owning child) -> lateral preemptions
+    lateral_preemptions: Counter[tuple[str, str]] = field(default_factory=Counter)
+    # schedule() calls that wanted another lateral preemption past max_attempts
+    attempts_exhausted: int = 0
+    # wedge alarms raised (stall_alarm_steps zero-token steps with holders)
+    wedges_detected: int = 0
+    # stalls that the valve ended (one per schedule() call that preempted)
+    wedges_resolved: int = 0
+    # receive notices dropped: duplicate / late / unexpected
+    dropped_recv_notices: Counter[str] = field(default_factory=Counter)
+    # requests whose remote prefill no child could serve (recomputed locally)
+    unroutable_requests: int = 0
+    # ledger inconsistencies logged (raised instead when strict)
+    ledger_errors: int = 0
+    # gauges, as of the last step
+    recv_done_holders_waiting: int = 0
+    blocks_held_by_non_running: int = 0
+    stalled_steps: int = 0
+
+    COUNTERS = (
+        "attempts_exhausted",
+        "wedges_detected",
+        "wedges_resolved",
+        "unroutable_requests",
+        "ledger_errors",
+    )
+    GAUGES = ("recv_done_holders_waiting", "blocks_held_by_non_running", "stalled_steps")
+
+    @property
+    def total_lateral_preemptions(self) -> int:
+        return sum(self.lateral_preemptions.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {name: getattr(self, name) for name in self.COUNTERS}
+        out.update({name: getattr(self, name) for name in self.GAUGES})
+        out["lateral_preemptions"] = {
+            f"{reason}|{owner}": n for (reason, owner), n in self.lateral_preemptions.items()
+        }
+        out["dropped_recv_notices"] = dict(self.dropped_recv_notices)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GuardStats:
+        stats = cls()
+        for name in cls.COUNTERS + cls.GAUGES:
+            setattr(stats, name, int(data.get(name, 0)))
+        for key, n in data.get("lateral_preemptions", {}).items():
+            reason, _, owner = key.partition("|")
+            stats.lateral_preemptions[(reason, owner)] = int(n)
+        stats.dropped_recv_notices.update(data.get("dropped_recv_notices", {}))
+        return stats
+
+    def delta_since(self, earlier: GuardStats) -> GuardStats:
+        """Counters accumulated since ``earlier``; gauges as now."""
+        out = GuardStats.from_dict(self.to_dict())
+        for name in self.COUNTERS:
+            setattr(out, name, getattr(self, name) - getattr(earlier, name))
+        out.lateral_preemptions = self.lateral_preemptions - earlier.lateral_preemptions
+        out.dropped_recv_notices = self.dropped_recv_notices - earlier.dropped_recv_notices
+        return out
+
+    def merge(self, other: GuardStats) -> GuardStats:
+        """Counters added; gauges taken from ``other`` (the newer one)."""
+        out = GuardStats.from_dict(other.to_dict())
+        for name in self.COUNTERS:
+            setattr(out, name, getattr(self, name) + getattr(other, name))
+        out.lateral_preemptions = self.lateral_preemptions + other.lateral_preemptions
+        out.dropped_recv_notices = self.dropped_recv_notices + other.dropped_recv_notices
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(getattr(self, n) for n in self.COUNTERS) and not (
+            self.lateral_preemptions or self.dropped_recv_notices
+        )

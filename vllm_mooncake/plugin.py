@@ -1,0 +1,134 @@
+"""The ``vllm.general_plugins`` entry point.
+
+vLLM loads general plugins in every process (API server, engine core,
+workers), possibly more than once per process, so :func:`register` is
+idempotent. It:
+
+1. checks the installed vLLM is one the guard was proven on (else raises a
+   clear error at start-up);
+2. registers ``WedgeGuardConnector`` with vLLM's connector factory;
+3. makes vLLM pick the guarded scheduler when the guard connector is
+   configured and no ``scheduler_cls`` is set (and refuses a conflicting
+   ``scheduler_cls`` with a message on how to compose).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_mooncake import CONNECTOR_NAME
+
+CONNECTOR_MODULE = "vllm_mooncake.guard.connector"
+SCHEDULER_MODULE = "vllm_mooncake.guard.scheduler"
+SYNC_SCHEDULER = f"{SCHEDULER_MODULE}.WedgeGuardScheduler"
+ASYNC_SCHEDULER = f"{SCHEDULER_MODULE}.WedgeGuardAsyncScheduler"
+
+_PATCHED_ATTR = "_vllm_mooncake_patched"
+
+
+def register() -> None:
+    """Entry point: safe to call any number of times in any process."""
+    from vllm_mooncake.versions import check_vllm_version
+
+    check_vllm_version()
+    _register_connector()
+    _install_scheduler_selection()
+
+
+def _register_connector() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    # The factory raises ValueError on a duplicate name; the registry is
+    # private, so a failed lookup is the public way to ask.
+    try:
+        KVConnectorFactory.get_connector_class_by_name(CONNECTOR_NAME)
+    except ValueError:
+        KVConnectorFactory.register_connector(
+            CONNECTOR_NAME, CONNECTOR_MODULE, "WedgeGuardConnector"
+        )
+
+
+def uses_guard_connector(vllm_config: Any) -> bool:
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    if ktc is None:
+        return False
+    if ktc.kv_connector == CONNECTOR_NAME:
+        return True
+    return bool(ktc.kv_connector_module_path == CONNECTOR_MODULE)
+
+
+def configure_for_guard(vllm_config: Any) -> None:
+    """Settle what the guard connector needs from a resolved ``VllmConfig``."""
+    if not uses_guard_connector(vllm_config):
+        return
+    _disable_hma_unless_children_support_it(vllm_config)
+    select_scheduler(vllm_config)
+
+
+def _disable_hma_unless_children_support_it(vllm_config: Any) -> None:
+    """Apply vLLM's MultiConnector HMA rule to the guard connector.
+
+    vLLM's factory special-cases the *name* "MultiConnector": HMA stays on
+    only if every child supports it. Under another name it only asks whether
+    the class subclasses SupportsHMA (ours does, through MultiConnector).
+    """
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+        MultiConnector,
+    )
+
+    sc = vllm_config.scheduler_config
+    if sc.disable_hybrid_kv_cache_manager:
+        return
+    if not MultiConnector.all_children_support_hma(vllm_config.kv_transfer_config):
+        sc.disable_hybrid_kv_cache_manager = True
+
+
+def select_scheduler(vllm_config: Any) -> None:
+    """Point ``scheduler_cls`` at the guarded scheduler when the guard is on."""
+    if not uses_guard_connector(vllm_config):
+        return
+    sc = vllm_config.scheduler_config
+    current = sc.scheduler_cls
+    if current is None or current in (SYNC_SCHEDULER, ASYNC_SCHEDULER):
+        sc.scheduler_cls = ASYNC_SCHEDULER if sc.async_scheduling else SYNC_SCHEDULER
+        return
+    from vllm_mooncake.guard.config import GuardConfigError
+
+    if isinstance(current, type):
+        from vllm_mooncake.guard.scheduler import WedgeGuardMixin
+
+        if issubclass(current, WedgeGuardMixin):
+            return
+    raise GuardConfigError(
+        f"scheduler_config.scheduler_cls={current!r} conflicts with the wedge "
+        f"guard ({CONNECTOR_NAME} needs its scheduler). Compose them: "
+        "`class MyGuarded(vllm_mooncake.guard.scheduler.WedgeGuardMixin, "
+        "YourScheduler): pass` and pass --scheduler-cls mymodule.MyGuarded, "
+        "or unset --scheduler-cls to use "
+        f"{ASYNC_SCHEDULER} / {SYNC_SCHEDULER}."
+    )
+
+
+def _install_scheduler_selection() -> None:
+    """Run :func:`configure_for_guard` after every ``VllmConfig.__post_init__``.
+
+    Why: vLLM resolves ``scheduler_cls`` from the config alone; nothing lets
+    a connector choose its scheduler.
+    How: wrap ``VllmConfig.__post_init__`` once per process (a flag on the
+    class makes it idempotent). The resolved config is what the engine core
+    receives, so the choice is made in the process that builds the config.
+    Upstream: none yet (a connector-declared scheduler requirement would do).
+    Removal: when vLLM lets a connector name its scheduler.
+    """
+    from vllm.config import VllmConfig
+
+    if getattr(VllmConfig, _PATCHED_ATTR, False):
+        return
+    stock_post_init = VllmConfig.__post_init__
+
+    def __post_init__(self: Any) -> None:
+        stock_post_init(self)
+        configure_for_guard(self)
+
+    VllmConfig.__post_init__ = __post_init__
+    setattr(VllmConfig, _PATCHED_ATTR, True)
