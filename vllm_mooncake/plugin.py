@@ -57,10 +57,26 @@ def uses_guard_connector(vllm_config: Any) -> bool:
     return bool(ktc.kv_connector_module_path == CONNECTOR_MODULE)
 
 
+def validate_guard_config(vllm_config: Any) -> None:
+    """Raise :class:`GuardConfigError` for a malformed guard configuration.
+
+    Runs before vLLM's own config checks, which would otherwise trip over a
+    malformed child with a less helpful message.
+    """
+    if not uses_guard_connector(vllm_config):
+        return
+    from vllm_mooncake.guard.config import GuardConfig, validate_children
+
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+    GuardConfig.from_extra_config(extra)
+    validate_children(extra)
+
+
 def configure_for_guard(vllm_config: Any) -> None:
     """Settle what the guard connector needs from a resolved ``VllmConfig``."""
     if not uses_guard_connector(vllm_config):
         return
+    validate_guard_config(vllm_config)
     _disable_hma_unless_children_support_it(vllm_config)
     select_scheduler(vllm_config)
 
@@ -127,6 +143,7 @@ def _install_scheduler_selection() -> None:
     stock_post_init = VllmConfig.__post_init__
 
     def __post_init__(self: Any) -> None:
+        validate_guard_config(self)
         stock_post_init(self)
         configure_for_guard(self)
 

@@ -40,6 +40,14 @@ from vllm_mooncake.guard.ledger import (
     LedgerError,
     Victim,
 )
+from vllm_mooncake.guard.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    WedgeGuardPromMetrics,
+    guard_stats_report,
+    rebuild_guard_entry,
+    with_guard_report,
+)
 from vllm_mooncake.guard.routing import ChildRouter, UnroutableRequest
 from vllm_mooncake.guard.stats import GuardStats
 
@@ -215,3 +223,47 @@ class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
         self._requests_to_connector.pop(victim.req_id, None)
         key = (victim.reason.value, victim.owner or "none")
         self.stats.lateral_preemptions[key] += 1
+
+    # ---- stats export: vLLM's KV-connector stats and Prometheus path --------------
+    # See guard/metrics.py for the flow. The engine-core scheduler calls
+    # get_kv_connector_stats() after every step; the front-end rebuilds the
+    # payload with build_kv_connector_stats() and records it with the object
+    # build_prom_metrics() returned.
+    _guard_stats_reported: GuardStats | None = None  # snapshot at the last report
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """The children's stats plus the guard's counters since the last call."""
+        stats = super().get_kv_connector_stats()
+        if not self._is_scheduler:
+            return stats
+        last = self._guard_stats_reported or GuardStats()
+        report = guard_stats_report(self.stats, last)
+        if report is not None:
+            self._guard_stats_reported = GuardStats.from_dict(self.stats.to_dict())
+        return with_guard_report(stats, report)
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        """Rebuild the guard's entry here; the children's as MultiConnector does."""
+        if data is None:
+            return super().build_kv_connector_stats(data=None)
+        rest, report = rebuild_guard_entry(data)
+        return with_guard_report(super().build_kv_connector_stats(data=rest), report)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        """The guard's Prometheus metrics next to MultiConnector's children's."""
+        children = super().build_prom_metrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
+        return WedgeGuardPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues, children
+        )

@@ -63,6 +63,19 @@ _STATUS = {
 }
 
 
+def _require_supported_vllm() -> None:
+    """Fail at start-up, by name, if this vLLM moved what the guard touches."""
+    from vllm_mooncake.internals import missing_internals
+    from vllm_mooncake.versions import UnsupportedVllmVersion, check_vllm_version
+
+    check_vllm_version()
+    problems = missing_internals()
+    if problems:
+        raise UnsupportedVllmVersion(
+            "the wedge guard cannot run on this vLLM: " + "; ".join(problems)
+        )
+
+
 class WedgeGuardMixin(_Base):
     """Adds the lateral-preemption valve to a vLLM ``Scheduler`` subclass.
 
@@ -71,6 +84,7 @@ class WedgeGuardMixin(_Base):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _require_supported_vllm()
         super().__init__(*args, **kwargs)
         connector = self.connector
         if not isinstance(connector, WedgeGuardConnector):

@@ -1,0 +1,113 @@
+"""Start-up: configuration errors, plugin registration, scheduler selection."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from vllm_mooncake.guard.config import GuardConfig, GuardConfigError, Policy
+from vllm_mooncake.guard.scheduler import (
+    WedgeGuardAsyncScheduler,
+    WedgeGuardMixin,
+    WedgeGuardScheduler,
+)
+from vllm_mooncake.plugin import ASYNC_SCHEDULER, register
+from vllm_mooncake.testing.configs import guarded, scripted_child, scripted_multi
+from vllm_mooncake.testing.driver import EngineShape, SchedulerDriver, make_vllm_config
+
+
+def test_defaults() -> None:
+    config = GuardConfig.from_extra_config({"connectors": []})
+    assert config.policy is Policy.RESERVE_LATERAL
+    assert config.max_attempts == 16
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "hint"),
+    [
+        ({"policy": "greedy"}, "wedge_guard.policy", "use one of"),
+        ({"max_attempts": 0}, "wedge_guard.max_attempts", "use 1..1024"),
+        ({"max_attempts": 5000}, "wedge_guard.max_attempts", "use 1..1024"),
+        ({"max_attempts": "16"}, "wedge_guard.max_attempts", "expected an integer"),
+        ({"max_attempts": True}, "wedge_guard.max_attempts", "expected an integer"),
+        ({"only_when_idle": "yes"}, "wedge_guard.only_when_idle", "true or false"),
+        ({"stall_alarm_steps": -1}, "wedge_guard.stall_alarm_steps", "out of range"),
+        ({"polcy": "lateral"}, "wedge_guard.polcy", "unknown field"),
+        ("lateral", "wedge_guard", "expected a JSON object"),
+    ],
+)
+def test_bad_guard_section_fails_at_start_up_naming_the_field(
+    section: Any, field: str, hint: str
+) -> None:
+    cfg = guarded()
+    cfg["kv_connector_extra_config"]["wedge_guard"] = section
+    # vLLM's config (pydantic) re-raises our GuardConfigError as a
+    # ValidationError, a ValueError with the same message.
+    with pytest.raises(ValueError, match=hint) as info:
+        SchedulerDriver.build(EngineShape(), cfg)
+    assert f"kv_connector_extra_config.{field}" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("connectors", "hint"),
+    [
+        ([], "non-empty list"),
+        ("NixlConnector", "non-empty list"),
+        ([{"kv_role": "kv_both"}], r"connectors\[0\]\.kv_connector: missing"),
+        ([scripted_child("a"), scripted_child("a")], r"connectors\[1\]: duplicates"),
+    ],
+)
+def test_bad_children_fail_at_start_up(connectors: Any, hint: str) -> None:
+    cfg = guarded()
+    cfg["kv_connector_extra_config"]["connectors"] = connectors
+    with pytest.raises(ValueError, match=hint):
+        SchedulerDriver.build(EngineShape(), cfg)
+
+
+def test_register_is_idempotent() -> None:
+    register()
+    register()  # a second process-level load must not raise
+
+
+@pytest.mark.parametrize(
+    ("async_scheduling", "expected"),
+    [(True, WedgeGuardAsyncScheduler), (False, WedgeGuardScheduler)],
+)
+def test_guard_connector_selects_the_guarded_scheduler(
+    async_scheduling: bool, expected: type
+) -> None:
+    d = SchedulerDriver.build(EngineShape(async_scheduling=async_scheduling), guarded())
+    assert type(d.scheduler) is expected
+
+
+def test_module_path_form_also_selects_the_guarded_scheduler() -> None:
+    cfg = guarded()
+    cfg["kv_connector_module_path"] = "vllm_mooncake.guard.connector"
+    vc = make_vllm_config(EngineShape(async_scheduling=True), cfg)
+    assert vc.scheduler_config.scheduler_cls == ASYNC_SCHEDULER
+
+
+def test_stock_multiconnector_keeps_the_stock_scheduler() -> None:
+    d = SchedulerDriver.build(EngineShape(), scripted_multi())
+    assert type(d.scheduler) is Scheduler
+
+
+def test_conflicting_scheduler_cls_is_refused_with_how_to_compose() -> None:
+    with pytest.raises(ValueError, match="Compose them") as info:
+        make_vllm_config(EngineShape(), guarded(), scheduler_cls="my.pkg.MyScheduler")
+    assert "WedgeGuardMixin" in str(info.value)
+
+
+def test_composed_scheduler_cls_is_accepted() -> None:
+    class MyGuarded(WedgeGuardMixin, Scheduler):  # type: ignore[misc]
+        pass
+
+    vc = make_vllm_config(EngineShape(), guarded(), scheduler_cls=MyGuarded)
+    assert vc.scheduler_config.scheduler_cls is MyGuarded
+
+
+def test_guarded_scheduler_without_guard_connector_is_refused() -> None:
+    with pytest.raises(GuardConfigError, match="WedgeGuardConnector"):
+        SchedulerDriver.build(EngineShape(), scripted_multi(), WedgeGuardScheduler)

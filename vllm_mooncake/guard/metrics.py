@@ -1,0 +1,342 @@
+"""The guard's counters and gauges on vLLM's KV-connector stats path.
+
+How they reach ``/metrics`` (vLLM 0.32):
+
+1. Engine core: after every step ``Scheduler.update_from_output`` calls
+   ``connector.get_kv_connector_stats()``. ``WedgeGuardConnector`` returns
+   MultiConnector's per-child stats plus a :data:`GUARD_STATS_KEY` entry, a
+   :class:`GuardKVConnectorStats` holding the counters accumulated since the
+   previous call and the gauges as of this step. The scheduler sends
+   ``to_dict()`` of it to the front-end in ``SchedulerStats.kv_connector_stats``.
+2. Front-end: ``PrometheusStatLogger`` builds its connector metrics once with
+   ``WedgeGuardConnector.build_prom_metrics`` (:class:`GuardPromMetrics` for
+   our entry, MultiConnector's for the children) and calls ``observe(data,
+   engine_idx)`` with every payload; ``LoggingStatLogger`` rebuilds the
+   payload with ``WedgeGuardConnector.build_kv_connector_stats`` and logs
+   :meth:`GuardKVConnectorStats.reduce` in its "KV Transfer metrics" line.
+
+No engine-core state crosses the process boundary: the payload is the plain
+dict of :meth:`GuardStats.to_dict` plus a ``gauges_changed`` flag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+    MultiKVConnectorStats,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+from vllm_mooncake import CONNECTOR_NAME
+from vllm_mooncake.guard.ledger import DroppedNotices
+from vllm_mooncake.guard.stats import GuardStats
+
+GUARD_STATS_KEY = CONNECTOR_NAME
+"""The guard's entry in the connector stats dict (MultiConnector keys its
+children by class name; a front-end resolves entries by registered name)."""
+
+GAUGES_CHANGED = "gauges_changed"
+"""Payload key: the gauges in this payload are current and must be set."""
+
+DROPPED_KINDS = tuple(f.name for f in fields(DroppedNotices))
+
+# Prometheus name, GuardStats attribute, help text.
+COUNTER_METRICS: tuple[tuple[str, str, str], ...] = (
+    (
+        "vllm:kv_guard_attempts_exhausted",
+        "attempts_exhausted",
+        "Number of times the KV wedge guard wanted another lateral preemption "
+        "in one scheduler step but had used max_attempts. A growing value "
+        "means admission keeps failing; consider raising max_attempts.",
+    ),
+    (
+        "vllm:kv_guard_wedges_detected",
+        "wedges_detected",
+        "Number of wedge alarms: stall_alarm_steps consecutive scheduler steps "
+        "that scheduled no token while waiting requests held KV blocks and "
+        "nothing ran. Each alarm means the engine was stuck.",
+    ),
+    (
+        "vllm:kv_guard_wedges_resolved",
+        "wedges_resolved",
+        "Number of scheduler steps in which the KV wedge guard ended a stall "
+        "by lateral preemption (one per step, however many requests it "
+        "preempted).",
+    ),
+    (
+        "vllm:kv_guard_unroutable_requests",
+        "unroutable_requests",
+        "Number of requests asking for a remote prefill whose "
+        "kv_transfer_params matched no configured child KV connector; they "
+        "were prefilled locally instead.",
+    ),
+    (
+        "vllm:kv_guard_ledger_errors",
+        "ledger_errors",
+        "Number of inconsistencies between the KV wedge guard's block ledger "
+        "and the scheduler's requests (logged, or raised when strict).",
+    ),
+)
+
+GAUGE_METRICS: tuple[tuple[str, str, str], ...] = (
+    (
+        "vllm:kv_guard_recv_done_holders_waiting",
+        "recv_done_holders_waiting",
+        "Requests whose KV receive has finished but that still wait for "
+        "admission while holding their KV blocks, as of the last scheduler "
+        "step.",
+    ),
+    (
+        "vllm:kv_guard_blocks_held_by_non_running",
+        "blocks_held_by_non_running",
+        "KV cache blocks held by waiting (not running) requests, as of the "
+        "last scheduler step.",
+    ),
+    (
+        "vllm:kv_guard_stalled_steps",
+        "stalled_steps",
+        "Consecutive scheduler steps that scheduled no token while nothing "
+        "ran and waiting requests held KV blocks (0 when not stalled). The "
+        "wedge alarm fires when it reaches stall_alarm_steps.",
+    ),
+)
+
+LATERAL_PREEMPTIONS_METRIC = "vllm:kv_guard_lateral_preemptions"
+DROPPED_RECV_NOTICES_METRIC = "vllm:kv_guard_dropped_recv_notices"
+
+
+@dataclass
+class GuardKVConnectorStats(KVConnectorStats):  # type: ignore[misc]
+    """One report of the guard's stats: a :class:`GuardStats` delta.
+
+    ``data`` is ``GuardStats.to_dict()`` of the counters accumulated since the
+    previous report with the gauges as of this report, plus ``gauges_changed``
+    (whether the gauges are to be set; an empty report carries zeros that are
+    not measurements).
+    """
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    @classmethod
+    def from_guard_stats(
+        cls, stats: GuardStats, gauges_changed: bool = True
+    ) -> GuardKVConnectorStats:
+        data = stats.to_dict()
+        data[GAUGES_CHANGED] = gauges_changed
+        return cls(data=data)
+
+    @property
+    def guard_stats(self) -> GuardStats:
+        return GuardStats.from_dict(self.data)
+
+    @property
+    def gauges_changed(self) -> bool:
+        return bool(self.data.get(GAUGES_CHANGED, False))
+
+    def reset(self) -> None:
+        self.data = GuardStats().to_dict()
+        self.data[GAUGES_CHANGED] = False
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        """Counters added; gauges from ``other`` (the newer) if it has any."""
+        if not isinstance(other, GuardKVConnectorStats):
+            raise TypeError(
+                f"cannot aggregate {type(other).__name__} into GuardKVConnectorStats"
+            )
+        mine, theirs = self.guard_stats, other.guard_stats
+        merged = mine.merge(theirs)
+        if not other.gauges_changed:
+            for name in GuardStats.GAUGES:
+                setattr(merged, name, getattr(mine, name))
+        self.data = merged.to_dict()
+        self.data[GAUGES_CHANGED] = self.gauges_changed or other.gauges_changed
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        stats = self.guard_stats
+        return {
+            "Lateral preemptions": stats.total_lateral_preemptions,
+            "Wedges detected": stats.wedges_detected,
+            "Wedges resolved": stats.wedges_resolved,
+            "Attempts exhausted": stats.attempts_exhausted,
+            "Dropped recv notices": sum(stats.dropped_recv_notices.values()),
+            "Unroutable requests": stats.unroutable_requests,
+            "Ledger errors": stats.ledger_errors,
+            "Recv-done holders waiting": stats.recv_done_holders_waiting,
+            "Blocks held by non-running": stats.blocks_held_by_non_running,
+            "Stalled steps": stats.stalled_steps,
+        }
+
+    def is_empty(self) -> bool:
+        return bool(self.guard_stats.is_empty()) and not self.gauges_changed
+
+
+def guard_stats_report(
+    current: GuardStats, last_reported: GuardStats
+) -> GuardKVConnectorStats | None:
+    """What changed since ``last_reported``, or None if nothing did."""
+    delta = current.delta_since(last_reported)
+    gauges_changed = any(
+        getattr(current, name) != getattr(last_reported, name)
+        for name in GuardStats.GAUGES
+    )
+    if delta.is_empty() and not gauges_changed:
+        return None
+    return GuardKVConnectorStats.from_guard_stats(delta, gauges_changed)
+
+
+def with_guard_report(
+    stats: KVConnectorStats | None, report: GuardKVConnectorStats | None
+) -> KVConnectorStats | None:
+    """MultiConnector's per-child ``stats`` plus the guard's entry, if any."""
+    if report is None:
+        return stats
+    if stats is None:
+        stats = MultiKVConnectorStats()
+    stats.data[GUARD_STATS_KEY] = report
+    return stats
+
+
+def rebuild_guard_entry(
+    data: dict[str, Any],
+) -> tuple[dict[str, Any], GuardKVConnectorStats | None]:
+    """Split a serialized stats dict into the children's part and ours."""
+    rest = dict(data)
+    raw = rest.pop(GUARD_STATS_KEY, None)
+    if raw is None or isinstance(raw, GuardKVConnectorStats):
+        return rest, raw
+    if isinstance(raw, KVConnectorStats):
+        raw = raw.to_dict()
+    return rest, GuardKVConnectorStats(data=dict(raw))
+
+
+class GuardPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+    """The guard's Prometheus counters and gauges, per engine.
+
+    Counters are exposed with prometheus_client's ``_total`` suffix (e.g.
+    ``vllm:kv_guard_lateral_preemptions_total``), like vLLM's own counters.
+    """
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        for name, attr, doc in COUNTER_METRICS:
+            metric = self._counter_cls(
+                name=name, documentation=doc, labelnames=labelnames
+            )
+            self._counters[attr] = create_metric_per_engine(
+                metric, per_engine_labelvalues
+            )
+        self._gauges: dict[str, dict[int, Any]] = {}
+        for name, attr, doc in GAUGE_METRICS:
+            metric = self._gauge_cls(
+                name=name,
+                documentation=doc,
+                labelnames=labelnames,
+                multiprocess_mode="mostrecent",
+            )
+            self._gauges[attr] = create_metric_per_engine(
+                metric, per_engine_labelvalues
+            )
+        # The owner label takes child names, known only once the connector is
+        # built: these children are created on first use.
+        self._lateral_preemptions = self._counter_cls(
+            name=LATERAL_PREEMPTIONS_METRIC,
+            documentation="Number of waiting requests the KV wedge guard "
+            "preempted to free KV blocks for a request that could not be "
+            "admitted while nothing ran. reason: recv_done (its KV receive had "
+            "finished) or promoted_idle (admitted after its load, never run "
+            "since); owner: the child KV connector that loaded its KV.",
+            labelnames=[*labelnames, "reason", "owner"],
+        )
+        self._dropped_recv_notices = self._counter_cls(
+            name=DROPPED_RECV_NOTICES_METRIC,
+            documentation="Number of KV receive-completion notices the KV wedge "
+            "guard dropped before the scheduler saw them. kind: duplicate (a "
+            "second completion for one receive), late (for a request already "
+            "finished) or unexpected (for a request with no receive).",
+            labelnames=[*labelnames, "kind"],
+        )
+        # The kinds are known: expose them at 0 from the start.
+        for labelvalues in per_engine_labelvalues.values():
+            for kind in DROPPED_KINDS:
+                self._dropped_recv_notices.labels(*labelvalues, kind)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        report = GuardKVConnectorStats(data=dict(transfer_stats_data))
+        stats = report.guard_stats
+        for attr, per_engine in self._counters.items():
+            value = getattr(stats, attr)
+            if value > 0:
+                per_engine[engine_idx].inc(value)
+        labelvalues = self.per_engine_labelvalues[engine_idx]
+        for (reason, owner), n in stats.lateral_preemptions.items():
+            if n > 0:
+                self._lateral_preemptions.labels(*labelvalues, reason, owner).inc(n)
+        for kind, n in stats.dropped_recv_notices.items():
+            if n > 0:
+                self._dropped_recv_notices.labels(*labelvalues, kind).inc(n)
+        if report.gauges_changed:
+            for attr, per_engine in self._gauges.items():
+                per_engine[engine_idx].set(getattr(stats, attr))
+
+
+class WedgeGuardPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+    """The guard's metrics next to MultiConnector's per-child metrics.
+
+    ``observe`` gets the whole connector stats dict: the guard's entry goes to
+    :class:`GuardPromMetrics`, the rest to MultiConnector's prom metrics
+    (which dispatch by child class name).
+    """
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+        children: KVConnectorPromMetrics | None,
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.children = children
+        self.guard = GuardPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        rest, report = rebuild_guard_entry(transfer_stats_data)
+        if report is not None:
+            self.guard.observe(report.to_dict(), engine_idx)
+        if rest and self.children is not None:
+            self.children.observe(rest, engine_idx)
+
+
+__all__ = [
+    "KVConnectorPromMetrics",
+    "KVConnectorStats",
+    "COUNTER_METRICS",
+    "DROPPED_RECV_NOTICES_METRIC",
+    "GAUGE_METRICS",
+    "GUARD_STATS_KEY",
+    "LATERAL_PREEMPTIONS_METRIC",
+    "GuardKVConnectorStats",
+    "GuardPromMetrics",
+    "WedgeGuardPromMetrics",
+    "guard_stats_report",
+    "rebuild_guard_entry",
+    "with_guard_report",
+]
