@@ -39,7 +39,9 @@ CASES = [
 def _driver(scenario: WedgeScenario, policy: str, **guard: object) -> SchedulerDriver:
     return SchedulerDriver.build(
         scenario.shape,
-        guarded(policy, kv_load_failure_policy=scenario.kv_load_failure_policy, **guard),
+        guarded(
+            policy, kv_load_failure_policy=scenario.kv_load_failure_policy, **guard
+        ),
     )
 
 
@@ -147,7 +149,9 @@ def test_without_the_status_fix_the_worker_would_crash(
         "_handle_blocked_waiting_request",
         Scheduler._handle_blocked_waiting_request,
     )
-    with pytest.raises(WorkerProtocolError, match="B was sent to the worker as resumed"):
+    with pytest.raises(
+        WorkerProtocolError, match="B was sent to the worker as resumed"
+    ):
         test_never_executed_victim_is_repromoted_as_new()
 
 
@@ -190,8 +194,12 @@ def test_max_attempts_bounds_preemptions_per_step() -> None:
         shape=SEED.shape,
         arrivals=(
             Arrival(0, "A", 80 * BLOCK, kv_transfer_params=store_hit(40 * BLOCK, 2)),
-            Arrival(1, "B", 30 * BLOCK, kv_transfer_params={"pd_load": {"done_after": 1}}),
-            Arrival(1, "C", 30 * BLOCK, kv_transfer_params={"pd_load": {"done_after": 1}}),
+            Arrival(
+                1, "B", 30 * BLOCK, kv_transfer_params={"pd_load": {"done_after": 1}}
+            ),
+            Arrival(
+                1, "C", 30 * BLOCK, kv_transfer_params={"pd_load": {"done_after": 1}}
+            ),
         ),
     )
     d = _driver(scenario, "lateral", max_attempts=1)

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_mooncake.internals import INTERNALS, Internal, check_internal, missing_internals
+from vllm_mooncake.internals import (
+    INTERNALS,
+    Internal,
+    check_internal,
+    missing_internals,
+)
 from vllm_mooncake.versions import (
     SUPPORTED_VLLM,
     UnsupportedVllmVersion,
@@ -16,7 +21,9 @@ from vllm_mooncake.versions import (
 )
 
 
-@pytest.mark.parametrize("item", INTERNALS, ids=lambda i: f"{i.owner.rsplit('.', 1)[1]}.{i.name}")
+@pytest.mark.parametrize(
+    "item", INTERNALS, ids=lambda i: f"{i.owner.rsplit('.', 1)[1]}.{i.name}"
+)
 def test_internal_is_present(item: Internal) -> None:
     assert check_internal(item) is None
 

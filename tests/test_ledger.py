@@ -21,15 +21,22 @@ def _ledger_with(*req_ids: str) -> BlockLedger:
     return ledger
 
 
-def _loaded(ledger: BlockLedger, req_id: str, blocks: int = 10, done: bool = True) -> None:
+def _loaded(
+    ledger: BlockLedger, req_id: str, blocks: int = 10, done: bool = True
+) -> None:
     ledger.on_lookup(req_id, "NixlConnector", 160, True)
     ledger.on_alloc(req_id, blocks, 160)
     if done:
         assert ledger.accept_recv_complete(req_id, failed=False)
 
 
-def _view(req_id: str, status: WaitStatus, computed: int = 160, blocks: int = 10,
-          recv_finished: bool = True) -> HolderView:
+def _view(
+    req_id: str,
+    status: WaitStatus,
+    computed: int = 160,
+    blocks: int = 10,
+    recv_finished: bool = True,
+) -> HolderView:
     return HolderView(req_id, status, computed, blocks, recv_finished)
 
 
@@ -72,7 +79,9 @@ def test_target_is_never_its_own_victim() -> None:
 def test_holders_without_blocks_are_not_candidates() -> None:
     ledger = _ledger_with("a")
     _loaded(ledger, "a")
-    assert ledger.candidate_reason(_view("a", WaitStatus.WAITING, blocks=0), "h") is None
+    assert (
+        ledger.candidate_reason(_view("a", WaitStatus.WAITING, blocks=0), "h") is None
+    )
 
 
 def test_least_progressed_wins_ties_go_to_latest_arrival() -> None:
@@ -101,7 +110,11 @@ def test_duplicate_and_late_receive_notices_are_dropped() -> None:
     assert "a" not in ledger
     assert not ledger.accept_recv_complete("a", failed=False)  # late
     assert not ledger.accept_recv_complete("never", failed=False)  # unexpected
-    assert (ledger.dropped.duplicate, ledger.dropped.late, ledger.dropped.unexpected) == (
+    assert (
+        ledger.dropped.duplicate,
+        ledger.dropped.late,
+        ledger.dropped.unexpected,
+    ) == (
         1,
         1,
         1,
@@ -127,10 +140,10 @@ def test_failed_receive_is_recorded_as_failed() -> None:
 @pytest.mark.parametrize(
     ("action", "message"),
     [
-        (lambda l: l.on_arrival("a"), "arrived twice"),
-        (lambda l: l.on_lateral_preempt("a"), "receive is in flight"),
-        (lambda l: l.on_scheduled("a", 0, 1), "scheduled while its receive"),
-        (lambda l: l.on_alloc("ghost", 1, 0), "never saw arrive"),
+        (lambda led: led.on_arrival("a"), "arrived twice"),
+        (lambda led: led.on_lateral_preempt("a"), "receive is in flight"),
+        (lambda led: led.on_scheduled("a", 0, 1), "scheduled while its receive"),
+        (lambda led: led.on_alloc("ghost", 1, 0), "never saw arrive"),
     ],
 )
 def test_illegal_transitions_raise_with_a_state_specific_message(

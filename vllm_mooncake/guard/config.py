@@ -80,7 +80,13 @@ class GuardConfig:
                 f"{FIELD_PREFIX}: expected a JSON object, got {type(raw).__name__}; "
                 f'write e.g. {{"policy": "{DEFAULT_POLICY.value}"}}'
             )
-        known = {"policy", "max_attempts", "stall_alarm_steps", "only_when_idle", "strict"}
+        known = {
+            "policy",
+            "max_attempts",
+            "stall_alarm_steps",
+            "only_when_idle",
+            "strict",
+        }
         unknown = sorted(set(raw) - known)
         if unknown:
             raise GuardConfigError(

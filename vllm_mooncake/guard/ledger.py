@@ -144,7 +144,9 @@ class BlockLedger:
         return None if entry is None else entry.recv
 
     def in_flight(self) -> set[ReqId]:
-        return {e.req_id for e in self._entries.values() if e.recv is RecvState.IN_FLIGHT}
+        return {
+            e.req_id for e in self._entries.values() if e.recv is RecvState.IN_FLIGHT
+        }
 
     # ---- transitions -----------------------------------------------------------
     def on_arrival(self, req_id: ReqId) -> None:
@@ -159,20 +161,28 @@ class BlockLedger:
     ) -> None:
         entry = self._require(req_id, "lookup")
         if entry.recv is RecvState.IN_FLIGHT:
-            raise LedgerError(f"{req_id}: looked up again while its receive is in flight")
+            raise LedgerError(
+                f"{req_id}: looked up again while its receive is in flight"
+            )
         entry.owner = owner if num_tokens > 0 else None
         entry.pending_async = bool(num_tokens > 0 and is_async)
 
-    def on_alloc(self, req_id: ReqId, num_blocks: int, num_external_tokens: int) -> None:
+    def on_alloc(
+        self, req_id: ReqId, num_blocks: int, num_external_tokens: int
+    ) -> None:
         entry = self._require(req_id, "alloc")
         entry.num_blocks = num_blocks
         if num_external_tokens > 0 and entry.pending_async:
             if entry.recv is RecvState.IN_FLIGHT:
-                raise LedgerError(f"{req_id}: a second receive started before the first")
+                raise LedgerError(
+                    f"{req_id}: a second receive started before the first"
+                )
             entry.recv = RecvState.IN_FLIGHT
         entry.pending_async = False
 
-    def on_scheduled(self, req_id: ReqId, computed_tokens: int, num_blocks: int) -> None:
+    def on_scheduled(
+        self, req_id: ReqId, computed_tokens: int, num_blocks: int
+    ) -> None:
         entry = self._entries.get(req_id)
         if entry is None:
             return  # scheduled requests not routed through us (e.g. streaming)
@@ -219,7 +229,9 @@ class BlockLedger:
     def on_lateral_preempt(self, req_id: ReqId) -> None:
         entry = self._require(req_id, "lateral preemption")
         if entry.recv is RecvState.IN_FLIGHT:
-            raise LedgerError(f"{req_id}: lateral preemption while a receive is in flight")
+            raise LedgerError(
+                f"{req_id}: lateral preemption while a receive is in flight"
+            )
         entry.recv = RecvState.NONE
         entry.num_blocks = 0
         entry.computed_tokens = 0
@@ -286,7 +298,9 @@ class BlockLedger:
     def _require(self, req_id: ReqId, what: str) -> LedgerEntry:
         entry = self._entries.get(req_id)
         if entry is None:
-            raise LedgerError(f"{req_id}: {what} for a request the ledger never saw arrive")
+            raise LedgerError(
+                f"{req_id}: {what} for a request the ledger never saw arrive"
+            )
         if entry.finished:
             raise LedgerError(f"{req_id}: {what} after the request finished")
         return entry

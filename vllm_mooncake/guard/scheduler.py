@@ -48,10 +48,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
 
-    _Base = Scheduler
-else:
-    _Base = object
-
 logger = init_logger(__name__)
 
 _STATUS = {
@@ -76,11 +72,12 @@ def _require_supported_vllm() -> None:
         )
 
 
-class WedgeGuardMixin(_Base):
+class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
     """Adds the lateral-preemption valve to a vLLM ``Scheduler`` subclass.
 
     Compose it in front of any Scheduler class:
-    ``class MyGuarded(WedgeGuardMixin, MyScheduler): pass``.
+    ``class MyGuarded(WedgeGuardMixin, MyScheduler): pass`` -- the MRO puts
+    the guard's overrides first, then MyScheduler's, then Scheduler's.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -88,10 +85,11 @@ class WedgeGuardMixin(_Base):
         super().__init__(*args, **kwargs)
         connector = self.connector
         if not isinstance(connector, WedgeGuardConnector):
+            got = type(connector).__name__ if connector else None
             raise GuardConfigError(
                 f"{type(self).__name__} needs kv_transfer_config.kv_connector="
-                f"'WedgeGuardConnector', got {type(connector).__name__ if connector else None}; "
-                "configure the guard connector or use vLLM's own scheduler class"
+                f"'WedgeGuardConnector', got {got}; configure the guard "
+                "connector or use vLLM's own scheduler class"
             )
         self.wedge_guard: WedgeGuardConnector = connector
         self._lateral_budget = 0
@@ -232,7 +230,9 @@ class WedgeGuardMixin(_Base):
         stats = self.wedge_guard.stats
         views = self._holder_views()
         stats.recv_done_holders_waiting = sum(
-            1 for v in views if v.status is WaitStatus.WAITING_FOR_REMOTE_KVS and v.recv_finished
+            1
+            for v in views
+            if v.status is WaitStatus.WAITING_FOR_REMOTE_KVS and v.recv_finished
         )
         stats.blocks_held_by_non_running = sum(v.num_blocks for v in views)
         if self._lateral_this_call:

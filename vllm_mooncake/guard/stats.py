@@ -36,7 +36,11 @@ class GuardStats:
         "unroutable_requests",
         "ledger_errors",
     )
-    GAUGES = ("recv_done_holders_waiting", "blocks_held_by_non_running", "stalled_steps")
+    GAUGES = (
+        "recv_done_holders_waiting",
+        "blocks_held_by_non_running",
+        "stalled_steps",
+    )
 
     @property
     def total_lateral_preemptions(self) -> int:
@@ -46,7 +50,8 @@ class GuardStats:
         out: dict[str, Any] = {name: getattr(self, name) for name in self.COUNTERS}
         out.update({name: getattr(self, name) for name in self.GAUGES})
         out["lateral_preemptions"] = {
-            f"{reason}|{owner}": n for (reason, owner), n in self.lateral_preemptions.items()
+            f"{reason}|{owner}": n
+            for (reason, owner), n in self.lateral_preemptions.items()
         }
         out["dropped_recv_notices"] = dict(self.dropped_recv_notices)
         return out
@@ -68,7 +73,9 @@ class GuardStats:
         for name in self.COUNTERS:
             setattr(out, name, getattr(self, name) - getattr(earlier, name))
         out.lateral_preemptions = self.lateral_preemptions - earlier.lateral_preemptions
-        out.dropped_recv_notices = self.dropped_recv_notices - earlier.dropped_recv_notices
+        out.dropped_recv_notices = (
+            self.dropped_recv_notices - earlier.dropped_recv_notices
+        )
         return out
 
     def merge(self, other: GuardStats) -> GuardStats:
@@ -77,7 +84,9 @@ class GuardStats:
         for name in self.COUNTERS:
             setattr(out, name, getattr(self, name) + getattr(other, name))
         out.lateral_preemptions = self.lateral_preemptions + other.lateral_preemptions
-        out.dropped_recv_notices = self.dropped_recv_notices + other.dropped_recv_notices
+        out.dropped_recv_notices = (
+            self.dropped_recv_notices + other.dropped_recv_notices
+        )
         return out
 
     def is_empty(self) -> bool:

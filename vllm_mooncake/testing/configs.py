@@ -55,7 +55,9 @@ def scripted_multi(
 
 def store_hit(tokens: int, done_after: int = 1, **more: Any) -> dict[str, Any]:
     """kv_transfer_params for a Mooncake-store-like async prefix hit."""
-    return {STORE_KEY: {"tokens": tokens, "done_after": done_after, "reoffer": True, **more}}
+    return {
+        STORE_KEY: {"tokens": tokens, "done_after": done_after, "reoffer": True, **more}
+    }
 
 
 def pd_transfer(done_after: int = 1, **more: Any) -> dict[str, Any]:
