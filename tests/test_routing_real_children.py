@@ -126,7 +126,9 @@ def nixl_pulls(step: StepResult) -> set[str]:
 def mooncake_pulls(step: StepResult) -> set[str]:
     meta = child_metadata(step)[MOONCAKE]
     assert isinstance(meta, MooncakeConnectorMetadata)
-    return {req_id for per_engine in meta.reqs_to_recv.values() for req_id in per_engine}
+    return {
+        req_id for per_engine in meta.reqs_to_recv.values() for req_id in per_engine
+    }
 
 
 def assert_children_hold_nothing(connector: Any) -> None:
@@ -159,7 +161,7 @@ def park_promote_finish(d: SchedulerDriver, req_id: str) -> None:
     assert d.finished == {req_id: "length"}
 
 
-# ---- 1. stock MultiConnector -------------------------------------------------------
+# ---- 1. stock MultiConnector -------------------------------------------------
 def test_stock_multiconnector_gives_mooncake_request_to_nixl_which_asserts() -> None:
     """The crash of cpu-pd-e2e.md 4c, reproduced on the scheduler alone.
 
@@ -178,7 +180,7 @@ def test_stock_multiconnector_gives_mooncake_request_to_nixl_which_asserts() -> 
     assert "num_external_tokens == 0" in str(crash_site.statement)
 
 
-# ---- 2. the guard, Mooncake-style request -------------------------------------------
+# ---- 2. the guard, Mooncake-style request ------------------------------------
 def test_guard_routes_mooncake_request_to_mooncake_child() -> None:
     d, connector = build_guarded()
     d.add("mc", PROMPT, max_tokens=3, kv_transfer_params=dict(MOONCAKE_PARAMS))
@@ -220,7 +222,7 @@ def test_guard_mooncake_child_is_told_to_pull() -> None:
     assert pull.local_block_ids == [d.scheduler.kv_cache_manager.get_block_ids("mc")[0]]
 
 
-# ---- 3. the guard, NIXL-style request -----------------------------------------------
+# ---- 3. the guard, NIXL-style request ----------------------------------------
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
@@ -248,7 +250,7 @@ def test_guard_routes_nixl_request_to_nixl_child() -> None:
     assert_scheduler_empty(d.scheduler)
 
 
-# ---- 4. the guard, a remote prefill no child can serve --------------------------------
+# ---- 4. the guard, a remote prefill no child can serve -----------------------
 def test_guard_computes_unroutable_remote_prefill_locally() -> None:
     d, connector = build_guarded()
     d.add("x", PROMPT, max_tokens=3, kv_transfer_params=dict(UNROUTABLE_PARAMS))

@@ -196,7 +196,9 @@ class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
             if n > before[kind]:
                 self.stats.dropped_recv_notices[kind] += n - before[kind]
                 logger.warning(
-                    "wedge guard dropped %d %s receive notice(s)", n - before[kind], kind
+                    "wedge guard dropped %d %s receive notice(s)",
+                    n - before[kind],
+                    kind,
                 )
         return kept
 

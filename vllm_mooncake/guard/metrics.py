@@ -156,8 +156,9 @@ class GuardKVConnectorStats(KVConnectorStats):  # type: ignore[misc]
         if not other.gauges_changed:
             for name in GuardStats.GAUGES:
                 setattr(merged, name, getattr(mine, name))
+        gauges_changed = self.gauges_changed or other.gauges_changed
         self.data = merged.to_dict()
-        self.data[GAUGES_CHANGED] = self.gauges_changed or other.gauges_changed
+        self.data[GAUGES_CHANGED] = gauges_changed
         return self
 
     def reduce(self) -> dict[str, int | float]:
