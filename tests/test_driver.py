@@ -98,3 +98,12 @@ def test_worker_protocol_rejects_resume_of_unknown_request() -> None:
     d._worker_requests.clear()  # the worker forgets it: next step must be refused
     with pytest.raises(WorkerProtocolError, match="never saw it as new"):
         d.step()
+
+
+def test_model_info_cache_is_project_local() -> None:
+    """vLLM's model inspection (about 12 s cold) is cached under our folder."""
+    from vllm_mooncake.testing.offline import cache_dir
+
+    SchedulerDriver.build(EngineShape())
+    cached = list((cache_dir() / "vllm").rglob("*LlamaForCausalLM*.json"))
+    assert cached, "vLLM's modelinfos cache is not under the project cache"
