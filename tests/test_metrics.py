@@ -159,7 +159,8 @@ def test_w1_lateral_preemption_reaches_prometheus() -> None:
     # ... rebuilds each payload with it ...
     rebuilt = [connector_cls.build_kv_connector_stats(p) for p in payloads]
     assert all(isinstance(s, MultiKVConnectorStats) for s in rebuilt)
-    entries = [s[GUARD_STATS_KEY] for s in rebuilt]
+    entries = [s.data[GUARD_STATS_KEY] for s in rebuilt if s is not None]
+    assert len(entries) == len(payloads)
     assert all(isinstance(e, GuardKVConnectorStats) for e in entries)
     # ... and the reports are deltas: together they are the scheduler's stats.
     total = GuardKVConnectorStats()

@@ -4,12 +4,15 @@ vLLM loads general plugins in every process (API server, engine core,
 workers), possibly more than once per process, so :func:`register` is
 idempotent. It:
 
-1. checks the installed vLLM is one the guard was proven on (else raises a
-   clear error at start-up);
-2. registers ``WedgeGuardConnector`` with vLLM's connector factory;
-3. makes vLLM pick the guarded scheduler when the guard connector is
+1. registers ``WedgeGuardConnector`` with vLLM's connector factory;
+2. makes vLLM pick the guarded scheduler when the guard connector is
    configured and no ``scheduler_cls`` is set (and refuses a conflicting
    ``scheduler_cls`` with a message on how to compose).
+
+When a config names the guard connector, the installed vLLM must be one the
+guard was proven on, or the config fails at start-up with the supported
+releases named. (vLLM only logs a plugin that raises, so the check lives
+where the guard is used, not in :func:`register`.)
 """
 
 from __future__ import annotations
@@ -28,9 +31,6 @@ _PATCHED_ATTR = "_vllm_mooncake_patched"
 
 def register() -> None:
     """Entry point: safe to call any number of times in any process."""
-    from vllm_mooncake.versions import check_vllm_version
-
-    check_vllm_version()
     _register_connector()
     _install_scheduler_selection()
 
@@ -66,7 +66,9 @@ def validate_guard_config(vllm_config: Any) -> None:
     if not uses_guard_connector(vllm_config):
         return
     from vllm_mooncake.guard.config import GuardConfig, validate_children
+    from vllm_mooncake.versions import check_vllm_version
 
+    check_vllm_version()
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config
     GuardConfig.from_extra_config(extra)
     validate_children(extra)
