@@ -18,10 +18,10 @@ shared/research/cpu-pd-e2e.md section 4c). NIXL gets
 ``kv_buffer_device="cpu"`` and Mooncake ``mooncake_protocol="tcp"``, as in
 shared/research/cpu-install.md section 5.
 
-Two tests are ``xfail(strict=True)``: they state the intended behaviour of
-the guard with these real children, which it does not have yet (see each
-marker's reason). When the guard is fixed they XPASS, which fails the run,
-so the markers must then be removed.
+Two tests guard fixes found this way: the owning child is told about the
+allocation first (NIXL, running first with 0 tokens, used to consume the
+shared ``do_remote_prefill`` so Mooncake never pulled), and NIXL is matched
+by its 0.32 base class (``NixlConnector`` is only an alias there).
 """
 
 from __future__ import annotations
@@ -200,17 +200,6 @@ def test_guard_routes_mooncake_request_to_mooncake_child() -> None:
     assert_scheduler_empty(d.scheduler)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "guard bug: MultiConnector.update_state_after_alloc calls the children "
-        "in config order, so NIXL (index 0, given 0 tokens) runs before the "
-        "owner and sets the shared kv_transfer_params['do_remote_prefill'] = "
-        "False; Mooncake then sees no remote prefill and never schedules the "
-        "pull (the request would stay in WAITING_FOR_REMOTE_KVS for good)"
-    ),
-)
 def test_guard_mooncake_child_is_told_to_pull() -> None:
     d, connector = build_guarded()
     d.add("mc", PROMPT, max_tokens=3, kv_transfer_params=dict(MOONCAKE_PARAMS))
@@ -223,16 +212,6 @@ def test_guard_mooncake_child_is_told_to_pull() -> None:
 
 
 # ---- 3. the guard, NIXL-style request ----------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "guard bug: routing.PD_CLAIM_KEYS is keyed by 'NixlConnector', but vLLM "
-        "0.32 builds NixlPullConnector (NixlConnector is an alias of it), whose "
-        "MRO has no class of that name; the NIXL child claims no keys and a "
-        "NIXL-style request is unroutable (computed locally)"
-    ),
-)
 def test_guard_routes_nixl_request_to_nixl_child() -> None:
     d, connector = build_guarded()
     assert connector.router.claims[NIXL] == frozenset({"remote_block_ids"})

@@ -140,7 +140,18 @@ class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        """Tell the owning child first, then the others (with 0 tokens).
+
+        MultiConnector goes in config order; a non-owner that runs first can
+        consume shared ``kv_transfer_params`` (NIXL sets ``do_remote_prefill``
+        to False on a request it does not load), and the owner then never
+        asks its worker to fetch -- the request would wait forever.
+        """
+        owner = self._requests_to_connector.get(request.request_id, -1)
+        order = sorted(range(len(self._connectors)), key=lambda i: i != owner)
+        for i in order:
+            tokens = num_external_tokens if i == owner else 0
+            self._connectors[i].update_state_after_alloc(request, blocks, tokens)
         num_blocks = len(blocks.get_block_ids()[0]) if blocks.blocks else 0
         self._ledger(
             self.ledger.on_alloc, request.request_id, num_blocks, num_external_tokens

@@ -18,6 +18,9 @@ from typing import Any, Protocol, runtime_checkable
 # P->D connectors and the kv_transfer_params keys that only their requests
 # carry (matched against the class and its bases, by name).
 PD_CLAIM_KEYS: dict[str, frozenset[str]] = {
+    # vLLM 0.32 builds NixlPullConnector/NixlPushConnector; NixlConnector is
+    # an alias there, a class in earlier releases.
+    "NixlBaseConnector": frozenset({"remote_block_ids"}),
     "NixlConnector": frozenset({"remote_block_ids"}),
     "MooncakeConnector": frozenset({"remote_bootstrap_addr", "transfer_id"}),
 }

@@ -7,3 +7,5 @@ cache, no hub access) before vLLM is imported.
 from vllm_mooncake.testing.offline import prepare_offline_env
 
 prepare_offline_env()
+
+__all__ = ["prepare_offline_env"]
