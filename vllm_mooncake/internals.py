@@ -19,121 +19,98 @@ class Internal:
     kind: str  # "method" | "attribute"
     why: str
     params: tuple[str, ...] = ()  # for methods: parameter names we pass
+    series: tuple[str, ...] = ("0.30", "0.32")  # releases whose layout uses it
+
+    def applies_to(self, series: str) -> bool:
+        return series in self.series
 
 
 SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
 MULTI = "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector.MultiConnector"
 KV_MANAGER = "vllm.v1.core.kv_cache_manager.KVCacheManager"
 
+NEW = ("0.32",)  # the kv_holding_waiting layout (0.31+)
+OLD = ("0.30",)  # the skipped_waiting layout (0.19-0.30)
+
+
+def _attr(
+    owner: str, name: str, why: str, series: tuple[str, ...] = NEW + OLD
+) -> Internal:
+    return Internal(owner, name, "attribute", why, (), series)
+
+
+def _method(
+    owner: str,
+    name: str,
+    why: str,
+    params: tuple[str, ...] = (),
+    series: tuple[str, ...] = NEW + OLD,
+) -> Internal:
+    return Internal(owner, name, "method", why, params, series)
+
+
 INTERNALS: tuple[Internal, ...] = (
-    Internal(
-        SCHEDULER,
-        "kv_holding_waiting",
-        "attribute",
-        "waiting requests that hold KV blocks: where lateral victims live",
-    ),
-    Internal(
-        SCHEDULER,
-        "waiting",
-        "attribute",
-        "victims are re-queued at its front, as vLLM's own preemption does",
-    ),
-    Internal(
-        SCHEDULER,
-        "deferred_waiting",
-        "attribute",
-        "a victim leaves the skipped-this-step set",
-    ),
-    Internal(
-        SCHEDULER,
-        "finished_recving_kv_req_ids",
-        "attribute",
-        "recv-done requests; a victim leaves it",
-    ),
-    Internal(
-        SCHEDULER,
-        "failed_recving_kv_req_ids",
-        "attribute",
-        "failed receives; a victim leaves it",
-    ),
-    Internal(
-        SCHEDULER,
-        "_inflight_prefills",
-        "attribute",
-        "the async-load reservation set; a victim must leave it (W2)",
-    ),
-    Internal(
-        SCHEDULER,
-        "reset_preempted_req_ids",
-        "attribute",
-        "tells connectors and workers a request was preempted",
-    ),
-    Internal(
-        SCHEDULER,
-        "_spec_decode_step_blocks",
-        "attribute",
-        "part of the reservation recomputed after a lateral preemption",
-    ),
-    Internal(
+    # -- waiting queues and receive sets (guard/layout.py, guard/scheduler.py)
+    _attr(SCHEDULER, "kv_holding_waiting", "holders wait here: victims", NEW),
+    _attr(SCHEDULER, "skipped_waiting", "blocked requests wait here: victims", OLD),
+    _attr(SCHEDULER, "waiting", "victims are re-queued at its front"),
+    _attr(SCHEDULER, "deferred_waiting", "a victim leaves the skipped set", NEW),
+    _attr(SCHEDULER, "finished_recving_kv_req_ids", "recv-done ids; a victim leaves"),
+    _attr(SCHEDULER, "failed_recving_kv_req_ids", "failed receives; a victim leaves"),
+    _attr(SCHEDULER, "_inflight_prefills", "reservation set; a victim leaves (W2)"),
+    _attr(SCHEDULER, "reset_preempted_req_ids", "tells connectors of preemptions"),
+    _attr(SCHEDULER, "_spec_decode_step_blocks", "part of the reservation", NEW),
+    # -- hooks the guarded scheduler overrides (each calls super)
+    _method(
         SCHEDULER,
         "_inflight_prefill_reserved_blocks",
-        "method",
-        "overridden: the 'lateral'/'no-reserve' policies reserve nothing",
+        "overridden: 'lateral'/'no-reserve' reserve nothing",
     ),
-    Internal(
+    _method(
         SCHEDULER,
         "_handle_blocked_waiting_request",
-        "method",
-        "overridden: a never-executed victim re-promotes as new, not resumed",
+        "overridden: a never-run victim re-promotes as new",
         ("request",),
+        NEW,
     ),
-    Internal(
+    _method(
+        SCHEDULER,
+        "_try_promote_blocked_waiting_request",
+        "overridden: a never-run victim re-promotes as new",
+        ("request",),
+        OLD,
+    ),
+    # -- steps of a lateral preemption
+    _method(
         SCHEDULER,
         "_update_waiting_for_remote_kv",
-        "method",
-        "caches a recv-done victim's loaded blocks before they are freed",
+        "caches a recv-done victim's loaded blocks",
         ("request",),
     ),
-    Internal(
-        SCHEDULER,
-        "_free_request_blocks",
-        "method",
-        "frees a victim's blocks (fenced when block frees are deferred)",
-        ("request",),
-    ),
-    Internal(
+    _method(SCHEDULER, "_free_request_blocks", "frees a victim's blocks", ("request",)),
+    _method(
         SCHEDULER,
         "_set_kv_fetch_stage",
-        "method",
-        "clears a victim's KV-fetch stage gauge",
+        "clears a victim's KV-fetch gauge",
         ("request", "stage"),
+        NEW,
     ),
-    Internal(
+    _method(
         SCHEDULER,
         "_holds_kv_blocks",
-        "method",
-        "vLLM's own 'holds blocks' predicate for waiting requests",
+        "vLLM's 'holds blocks' predicate",
         ("request",),
+        NEW,
     ),
-    Internal(
+    _method(
         KV_MANAGER,
         "allocate_slots",
-        "method",
         "wrapped on the scheduler's instance: the admission valve",
         ("request", "num_new_tokens", "reserved_blocks"),
     ),
-    Internal(
-        MULTI,
-        "_connectors",
-        "attribute",
-        "the child connectors, for routing by kv_transfer_params",
-    ),
-    Internal(
-        MULTI,
-        "_requests_to_connector",
-        "attribute",
-        "which child loads a request; set by the guard's routing",
-    ),
+    # -- MultiConnector (guard/connector.py)
+    _attr(MULTI, "_connectors", "the child connectors, for routing"),
+    _attr(MULTI, "_requests_to_connector", "which child loads a request"),
 )
 
 
@@ -179,5 +156,13 @@ def check_internal(item: Internal) -> str | None:
     return f"{where}: attribute is no longer set ({item.why})"
 
 
+def applicable_internals(series: str | None = None) -> list[Internal]:
+    """The internals the installed (or given) release's layout relies on."""
+    from vllm_mooncake.versions import check_vllm_version
+
+    series = series or check_vllm_version()
+    return [item for item in INTERNALS if item.applies_to(series)]
+
+
 def missing_internals() -> list[str]:
-    return [msg for item in INTERNALS if (msg := check_internal(item))]
+    return [msg for item in applicable_internals() if (msg := check_internal(item))]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from importlib import metadata
 
-SUPPORTED_VLLM = ("0.32",)
+SUPPORTED_VLLM = ("0.30", "0.32")
 """Release series (major.minor) whose scheduler the guard was tested against."""
 
 
@@ -37,8 +37,9 @@ def check_vllm_version(version: str | None = None) -> str:
     """Return the series of ``version`` (default: installed) or raise."""
     version = version or installed_vllm_version()
     if series(version) not in SUPPORTED_VLLM:
+        supported = ", ".join(f"{s}.x" for s in SUPPORTED_VLLM)
         raise UnsupportedVllmVersion(
-            f"vllm_mooncake's wedge guard supports vLLM {', '.join(SUPPORTED_VLLM)}.x "
+            f"vllm_mooncake's wedge guard supports vLLM {supported} "
             f"but vLLM {version} is installed. Install a supported release "
             "(e.g. pip install 'vllm-mooncake[cpu]' or '[cuda]'), or remove "
             "WedgeGuardConnector from kv_transfer_config to run without the guard."

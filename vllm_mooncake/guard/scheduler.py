@@ -3,7 +3,8 @@
 Life cycle of a wedge and its resolution (vLLM 0.32):
 
 1. Requests A and B hold KV blocks without having run: B's receive finished,
-   A was promoted after its own load. Both wait in ``kv_holding_waiting``.
+   A was promoted after its own load. Both wait in ``kv_holding_waiting``
+   (``skipped_waiting`` before 0.31; see ``guard/layout.py``).
 2. ``schedule()`` peeks A and asks ``KVCacheManager.allocate_slots`` for A's
    next chunk; there are not enough free blocks, it returns ``None`` and the
    admission loop ``break``s. Nothing runs, so vLLM's running-side
@@ -42,6 +43,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from vllm_mooncake.guard.config import GuardConfigError
 from vllm_mooncake.guard.connector import WedgeGuardConnector
+from vllm_mooncake.guard.layout import SchedulerAccess, installed_layout
 from vllm_mooncake.guard.ledger import HolderView, Victim, WaitStatus
 
 if TYPE_CHECKING:
@@ -92,6 +94,7 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
                 "connector or use vLLM's own scheduler class"
             )
         self.wedge_guard: WedgeGuardConnector = connector
+        self._access = SchedulerAccess(self, installed_layout())
         self._lateral_budget = 0
         self._lateral_this_call: list[tuple[Victim, str]] = []
         self._stall_steps = 0
@@ -126,7 +129,7 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
                 if kwargs.get("reserved_blocks"):
                     kwargs["reserved_blocks"] = (
                         self._inflight_prefill_reserved_blocks()
-                        + self._spec_decode_step_blocks
+                        + self._access.reservation_extras()
                     )
                 blocks = stock_allocate(request, *args, **kwargs)
             return blocks
@@ -148,9 +151,9 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
 
     def _holder_views(self) -> list[HolderView]:
         views = []
-        for queue in (self.kv_holding_waiting, self.waiting):
+        for queue in self._access.holder_queues():
             for request in queue:
-                if not self._holds_kv_blocks(request):
+                if not self._access.holds_blocks(request):
                     continue
                 block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
                 views.append(
@@ -174,10 +177,7 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         req_id = request.request_id
         self._lateral_budget -= 1
         self._lateral_this_call.append((victim, target.request_id))
-        if request in self.kv_holding_waiting:
-            self.kv_holding_waiting.remove_request(request)
-        else:
-            self.waiting.remove_request(request)
+        self._access.remove_waiting(request)
         if (
             request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             and req_id in self.finished_recving_kv_req_ids
@@ -190,8 +190,6 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         self._free_request_blocks(request)
         self.encoder_cache_manager.free(request)
         self._inflight_prefills.discard(request)
-        self._set_kv_fetch_stage(request, None)
-        self.deferred_waiting.discard(request)
         request.num_computed_tokens = 0
         executed = self.wedge_guard.ledger.has_executed(req_id)
         request.status = RequestStatus.PREEMPTED if executed else RequestStatus.WAITING
@@ -216,14 +214,24 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         return int(super()._inflight_prefill_reserved_blocks())
 
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
+        """0.31+ promotion hook (see :meth:`_as_new_unless_executed`)."""
         ready = bool(super()._handle_blocked_waiting_request(request))
+        self._as_new_unless_executed(request)
+        return ready
+
+    def _try_promote_blocked_waiting_request(self, request: Request) -> bool:
+        """0.19-0.30 promotion hook (see :meth:`_as_new_unless_executed`)."""
+        ready = bool(super()._try_promote_blocked_waiting_request(request))
+        self._as_new_unless_executed(request)
+        return ready
+
+    def _as_new_unless_executed(self, request: Request) -> None:
+        """vLLM promotes to PREEMPTED when num_preemptions > 0; a lateral
+        victim that never ran must reach the worker as a new request."""
         if request.status == RequestStatus.PREEMPTED and not (
             self.wedge_guard.ledger.has_executed(request.request_id)
         ):
-            # vLLM promotes to PREEMPTED when num_preemptions > 0; a lateral
-            # victim that never ran must reach the worker as a new request.
             request.status = RequestStatus.WAITING
-        return ready
 
     # ---- observation: gauges, the WARNING line, the wedge alarm -----------------
     def _after_schedule(self, output: SchedulerOutput) -> None:

@@ -16,8 +16,11 @@ def scheduler_leaks(scheduler: Any) -> list[str]:
     check("requests", list(scheduler.requests))
     check("running", [r.request_id for r in scheduler.running])
     check("waiting", [r.request_id for r in scheduler.waiting])
-    check("kv_holding_waiting", [r.request_id for r in scheduler.kv_holding_waiting])
-    check("deferred_waiting", [r.request_id for r in scheduler.deferred_waiting])
+    # 0.31+ keeps holders in kv_holding_waiting; 0.30 blocked ones in
+    # skipped_waiting. Check whichever this release has.
+    for queue in ("kv_holding_waiting", "skipped_waiting", "deferred_waiting"):
+        if hasattr(scheduler, queue):
+            check(queue, [r.request_id for r in getattr(scheduler, queue)])
     check("finished_recving_kv_req_ids", scheduler.finished_recving_kv_req_ids)
     check("failed_recving_kv_req_ids", scheduler.failed_recving_kv_req_ids)
     check("_inflight_prefills", [r.request_id for r in scheduler._inflight_prefills])

@@ -16,10 +16,13 @@ Request life cycle, as scripted by ``kv_transfer_params[<params_key>]``::
     {"tokens": -1,          # external tokens to offer (-1: the whole prompt)
      "async": true,         # load asynchronously (WAITING_FOR_REMOTE_KVS)
      "done_after": 1,       # worker steps until the receive completes
+     "done_after_s": null,  # or: simulated seconds (needs the worker's clock,
+                            # ScriptedTransferWorker.set_window)
      "outcome": "ok",       # "ok" | "fail" (nothing valid) | "partial"
      "valid_tokens": 0,     # for "partial": tokens that did arrive
      "failing_attempts": -1,# loads that fail before one succeeds (-1: all)
-     "reoffer": false}      # offer the hit again after a preemption
+     "defer_lookups": 0}    # lookups answered "ask again later" (None) first
+     "reoffer": false,      # offer the hit again after a preemption
                             # (store-like); a P->D transfer is one-shot
 
 1. lookup   -- ``get_num_new_matched_tokens`` offers the scripted tokens.
@@ -27,7 +30,10 @@ Request life cycle, as scripted by ``kv_transfer_params[<params_key>]``::
                block ids vLLM allocated.
 3. meta     -- ``build_connector_meta`` hands the orders to the worker.
 4. transfer -- the worker counts ``done_after`` steps, then reports.
-5. finished -- ``request_finished`` forgets the request.
+5. finished -- ``request_finished`` forgets the request; with
+               ``delay_free`` it asks vLLM to keep the blocks until the
+               worker reports the send done (``advance(extra_finished_sending=)``,
+               which the simulator calls when the decode side has pulled).
 """
 
 from __future__ import annotations
@@ -73,6 +79,9 @@ class LoadScript:
     valid_tokens: int = 0
     reoffer: bool = False
     failing_attempts: int = -1
+    done_after_s: float | None = None
+    delay_free: bool = False
+    defer_lookups: int = 0
 
     def outcome_of_attempt(self, attempt: int) -> str:
         """Outcome of the ``attempt``-th load (0-based) of this request."""
@@ -92,6 +101,7 @@ class LoadScript:
             "valid_tokens",
             "reoffer",
             "failing_attempts",
+            "defer_lookups",
         }
         unknown = set(raw) - known
         if unknown:
@@ -106,6 +116,7 @@ class LoadScript:
             valid_tokens=int(raw.get("valid_tokens", 0)),
             reoffer=bool(raw.get("reoffer", False)),
             failing_attempts=int(raw.get("failing_attempts", -1)),
+            defer_lookups=int(raw.get("defer_lookups", 0)),
         )
         if script.outcome not in OUTCOMES:
             raise ScriptError(
@@ -113,7 +124,17 @@ class LoadScript:
             )
         if script.done_after < 0:
             raise ScriptError(f"{where}.done_after: must be >= 0")
+        if script.done_after_s is not None and script.done_after_s < 0:
+            raise ScriptError(f"{where}.done_after_s: must be >= 0")
         return script
+
+
+def _optional_seconds(raw: object) -> float | None:
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int | float):
+        raise ScriptError(f"done_after_s: expected seconds, got {raw!r}")
+    return float(raw)
 
 
 @dataclass
@@ -174,6 +195,8 @@ class ScriptedLoadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._orders: dict[ReqId, LoadOrder] = {}
         # Loads started per request (P->D transfers are not offered twice).
         self._attempts: dict[ReqId, int] = {}
+        # Lookups answered so far per request (for defer_lookups).
+        self._lookups_seen: dict[ReqId, int] = {}
         # Call log, for tests that check which child was asked.
         self.lookups: list[ReqId] = []
 
@@ -196,6 +219,10 @@ class ScriptedLoadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         script = self.script_for(request)
         if script is None:
             return 0, False
+        seen = self._lookups_seen.get(request.request_id, 0)
+        self._lookups_seen[request.request_id] = seen + 1
+        if seen < script.defer_lookups:
+            return None, False  # "ask again later", like an async store lookup
         if self._attempts.get(request.request_id) and not script.reoffer:
             return 0, False
         prompt = request.num_prompt_tokens
@@ -239,6 +266,7 @@ class ScriptedLoadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._attempts.pop(request.request_id, None)
+        self._lookups_seen.pop(request.request_id, None)
         self._lookup_start.pop(request.request_id, None)
         self._orders.pop(request.request_id, None)
         return False, None
@@ -275,6 +303,17 @@ def iter_metadata(meta: object) -> Iterator[KVConnectorMetadata]:
 class _Transfer:
     order: LoadOrder
     steps_left: int
+    # Simulated time the receive lands, for ``done_after_s`` scripts.
+    deadline: float | None = None
+
+    def lands(self, window_end: float) -> bool:
+        """Whether the receive completes in this step (counts a step down)."""
+        if self.deadline is not None:
+            return self.deadline <= window_end
+        if self.steps_left > 0:
+            self.steps_left -= 1
+            return False
+        return True
 
 
 class ScriptedTransferWorker:
@@ -283,15 +322,40 @@ class ScriptedTransferWorker:
     Each :meth:`advance` takes one step's ``SchedulerOutput``, starts the
     loads ordered in its connector metadata and returns the
     ``KVConnectorOutput`` the worker would report after this step.
+
+    Loads scripted in steps (``done_after``) need nothing else. Loads
+    scripted in seconds (``done_after_s``) need a clock: whoever drives the
+    worker calls :meth:`set_window` with the simulated start and end of the
+    step before each :meth:`advance`; a load started in a step lands in the
+    first step whose end is at or past its start plus ``done_after_s``.
     """
 
     def __init__(self) -> None:
         self._transfers: dict[ReqId, _Transfer] = {}
         self.started: list[ReqId] = []
+        # Simulated [start, end] of the step being advanced (seconds).
+        self.window: tuple[float, float] = (0.0, 0.0)
 
     @property
     def in_flight(self) -> set[ReqId]:
         return set(self._transfers)
+
+    def set_window(self, start: float, end: float) -> None:
+        """The simulated time span of the next :meth:`advance` (seconds)."""
+        if end < start:
+            raise ValueError(f"step window ends before it starts: {start}..{end}")
+        self.window = (start, end)
+
+    def next_deadline(self) -> float | None:
+        """When the next in-flight load lands, if every one is timed.
+
+        None when nothing is in flight, or when a step-scripted load is (it
+        needs every step to be driven).
+        """
+        deadlines = [t.deadline for t in self._transfers.values()]
+        if not deadlines or any(d is None for d in deadlines):
+            return None
+        return min(d for d in deadlines if d is not None)
 
     def advance(
         self,
@@ -299,18 +363,24 @@ class ScriptedTransferWorker:
         extra_finished: Iterable[ReqId] = (),
         extra_failed: Iterable[ReqId] = (),
         extra_invalid_blocks: Iterable[int] = (),
+        extra_finished_sending: Iterable[ReqId] = (),
     ) -> KVConnectorOutput:
+        start, end = self.window
         for meta in iter_metadata(scheduler_output.kv_connector_metadata):
             if isinstance(meta, ScriptedLoadMetadata):
                 for req_id, order in meta.loads.items():
-                    self._transfers[req_id] = _Transfer(order, order.script.done_after)
+                    seconds = order.script.done_after_s
+                    deadline = None if seconds is None else start + seconds
+                    self._transfers[req_id] = _Transfer(
+                        order, order.script.done_after, deadline
+                    )
                     self.started.append(req_id)
         finished = set(extra_finished)
         failed = set(extra_failed)
         invalid = set(extra_invalid_blocks)
+        sending = set(extra_finished_sending)
         for req_id, transfer in list(self._transfers.items()):
-            if transfer.steps_left > 0:
-                transfer.steps_left -= 1
+            if not transfer.lands(end):
                 continue
             del self._transfers[req_id]
             finished.add(req_id)
@@ -319,6 +389,7 @@ class ScriptedTransferWorker:
             elif transfer.order.outcome == "partial":
                 invalid |= transfer.order.invalid_block_ids()
         return KVConnectorOutput(
+            finished_sending=sending or None,
             finished_recving=finished or None,
             failed_recving=failed,
             invalid_block_ids=invalid,

@@ -17,6 +17,10 @@ pool of 100 usable blocks of 16 tokens and 2048-token chunks:
 * ``w2``    -- ``kv_load_failure_policy=recompute``: A's store load fails
   entirely; A, re-offered the hit, reserves blocks against itself and can
   never be admitted; B (transfer done) sits behind A.
+* ``hol``   -- head of line, vLLM 0.19-0.30: C holds no blocks but was skipped
+  once (its store lookup said "ask later") into ``skipped_waiting``; B's
+  60-block transfer is admitted behind it; C then needs 50 blocks with 40
+  free and breaks the loop ahead of B forever. 0.31+ queues C apart.
 """
 
 from __future__ import annotations
@@ -104,7 +108,24 @@ W2 = WedgeScenario(
     stranded="B",
 )
 
-CATALOGUE: dict[str, WedgeScenario] = {s.name: s for s in (SEED, W1, W2)}
+HOL = WedgeScenario(
+    name="hol",
+    summary="a block-less request skipped once blocks a recv-done holder (<= 0.30)",
+    shape=_shape(),
+    arrivals=(
+        Arrival(
+            0,
+            "C",
+            50 * BLOCK,
+            kv_transfer_params=store_hit(0, 1, defer_lookups=1),
+        ),
+        Arrival(0, "B", 60 * BLOCK, kv_transfer_params=pd_transfer(1)),
+    ),
+    stranded="B",
+    tags=("vllm<=0.30",),
+)
+
+CATALOGUE: dict[str, WedgeScenario] = {s.name: s for s in (SEED, W1, W2, HOL)}
 
 
 def play(
