@@ -53,7 +53,7 @@ class SchedulerAccess:
     def holds_blocks(self, request: Request) -> bool:
         if self.layout is QueueLayout.HOLDING:
             return bool(self._s._holds_kv_blocks(request))
-        return (
+        return bool(
             request.num_computed_tokens > 0
             or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         )

@@ -129,11 +129,11 @@ class LoadScript:
         return script
 
 
-def _optional_seconds(raw: object) -> float | None:
+def _optional_seconds(raw: object, where: str) -> float | None:
     if raw is None:
         return None
     if isinstance(raw, bool) or not isinstance(raw, int | float):
-        raise ScriptError(f"done_after_s: expected seconds, got {raw!r}")
+        raise ScriptError(f"{where}.done_after_s: expected seconds, got {raw!r}")
     return float(raw)
 
 
