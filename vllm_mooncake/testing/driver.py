@@ -238,11 +238,18 @@ class StepResult:
 class SchedulerDriver:
     """Steps a real vLLM scheduler; plays the model runner and KV workers."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, keep_steps: bool = True) -> None:
         self.scheduler = scheduler
         self.worker = ScriptedTransferWorker()
         self.requests = RequestFactory(scheduler.block_size)
+        # Every StepResult, when keep_steps (tests); long simulations turn it
+        # off and count steps only.
+        self.keep_steps = keep_steps
         self.steps: list[StepResult] = []
+        self.num_steps = 0
+        # Called between (a) and (b) with the step's SchedulerOutput: the
+        # simulator prices the step there and sets the worker's clock.
+        self.on_scheduled: Callable[[SchedulerOutput], None] | None = None
         # Requests the fake model runner holds state for (sent to it as new).
         self._worker_requests: set[str] = set()
         self.finished: dict[str, str] = {}  # req_id -> finish reason
@@ -277,17 +284,28 @@ class SchedulerDriver:
         finished_recving: Iterable[str] = (),
         failed_recving: Iterable[str] = (),
         invalid_block_ids: Iterable[int] = (),
+        finished_sending: Iterable[str] = (),
     ) -> StepResult:
-        """(a) schedule, (b) fake the worker's output, (c) update from it."""
+        """(a) schedule, (b) fake the worker's output, (c) update from it.
+
+        ``finished_sending``: producer-side sends to report done this step
+        (their held blocks are freed by vLLM's update).
+        """
         scheduler_output = self.scheduler.schedule()
+        if self.on_scheduled is not None:
+            self.on_scheduled(scheduler_output)
         runner_output = self._model_runner_output(
-            scheduler_output, finished_recving, failed_recving, invalid_block_ids
+            scheduler_output,
+            finished_recving,
+            failed_recving,
+            invalid_block_ids,
+            finished_sending,
         )
         engine_outputs = self.scheduler.update_from_output(
             scheduler_output, runner_output
         )
         result = StepResult(
-            index=len(self.steps),
+            index=self.num_steps,
             scheduler_output=scheduler_output,
             kv_connector_output=runner_output.kv_connector_output,
             engine_outputs=engine_outputs,
@@ -298,7 +316,9 @@ class SchedulerDriver:
                     result.finished.append(out.request_id)
                     self.finished[out.request_id] = str(out.finish_reason)
                     self._worker_requests.discard(out.request_id)
-        self.steps.append(result)
+        self.num_steps += 1
+        if self.keep_steps:
+            self.steps.append(result)
         return result
 
     def run(
@@ -319,6 +339,7 @@ class SchedulerDriver:
         finished_recving: Iterable[str],
         failed_recving: Iterable[str],
         invalid_block_ids: Iterable[int],
+        finished_sending: Iterable[str] = (),
     ) -> ModelRunnerOutput:
         self._check_worker_protocol(so)
         req_ids = list(so.num_scheduled_tokens)
@@ -328,7 +349,7 @@ class SchedulerDriver:
             # A partial prefill chunk samples nothing; anything else samples one.
             sampled.append([] if request.is_prefill_chunk else [SAMPLED_TOKEN_ID])
         kv_output = self.worker.advance(
-            so, finished_recving, failed_recving, invalid_block_ids
+            so, finished_recving, failed_recving, invalid_block_ids, finished_sending
         )
         return ModelRunnerOutput(
             req_ids=req_ids,
@@ -366,7 +387,7 @@ class SchedulerDriver:
         return str(self.scheduler.requests[req_id].status.name)
 
     def zero_token_streak(self) -> int:
-        """Consecutive trailing steps that scheduled no token."""
+        """Consecutive trailing steps that scheduled no token (keep_steps)."""
         streak = 0
         for result in reversed(self.steps):
             if result.num_scheduled_tokens:
