@@ -10,8 +10,11 @@ entry or ledger entry behind.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from vllm_mooncake.guard.scheduler import WedgeGuardAsyncScheduler, WedgeGuardScheduler
 from vllm_mooncake.testing.configs import guarded, store_hit
 from vllm_mooncake.testing.driver import EngineShape, SchedulerDriver
 from vllm_mooncake.testing.leaks import assert_scheduler_empty
@@ -53,11 +56,15 @@ def _case_id(case: tuple[WedgeScenario, str, str]) -> str:
     return f"{case[0].name}-{case[2]}"
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_unguarded_policy_stalls_guarded_policy_recovers(
-    case: tuple[WedgeScenario, str, str],
+    case: tuple[WedgeScenario, str, str], async_scheduling: bool
 ) -> None:
+    """Both guarded classes: Scheduler and AsyncScheduler (vLLM's default)."""
     scenario, stalling, recovering = case
+    shape = replace(scenario.shape, async_scheduling=async_scheduling)
+    scenario = replace(scenario, shape=shape)
     # Red: the valve is off; the stranded recv-done request never runs.
     red = _driver(scenario, stalling)
     play(red, scenario, max_steps=STALL_STEPS)
@@ -69,6 +76,8 @@ def test_unguarded_policy_stalls_guarded_policy_recovers(
 
     # Green: same layout, the valve on.
     green = _driver(scenario, recovering)
+    expected = WedgeGuardAsyncScheduler if async_scheduling else WedgeGuardScheduler
+    assert type(green.scheduler) is expected
     steps = play(green, scenario, max_steps=STALL_STEPS)
     stats = green.scheduler.wedge_guard.stats
     assert stats.total_lateral_preemptions >= 1
@@ -180,8 +189,6 @@ def test_control_runs_preempt_nothing(policy: str) -> None:
 
 def test_fcfs_variant_of_w1_needs_no_valve() -> None:
     """The W1 layout under FCFS finishes on its own: the valve stays shut."""
-    from dataclasses import replace
-
     fcfs = replace(W1, shape=replace(W1.shape, policy="fcfs", reserve_full_isl=True))
     d = _driver(fcfs, "reserve+lateral")
     play(d, fcfs, max_steps=60)
