@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_mooncake.testing.configs import guarded, pd_transfer, scripted_multi
+from vllm_mooncake.testing.configs import (
+    guarded,
+    pd_transfer,
+    scripted_multi,
+    store_hit,
+)
 from vllm_mooncake.testing.driver import EngineShape, SchedulerDriver
 from vllm_mooncake.testing.leaks import assert_scheduler_empty
 from vllm_mooncake.testing.wedges import W1, play
@@ -68,4 +73,54 @@ def test_late_duplicate_receive_notice(connector: str, survives: bool) -> None:
     d.step(finished_recving={"p", "never-seen"})
     dropped = d.scheduler.wedge_guard.stats.dropped_recv_notices
     assert dropped == {"late": 2, "unexpected": 1}
+    assert_scheduler_empty(d.scheduler)
+
+
+def test_executed_victim_is_resumed_not_new() -> None:
+    """A victim that ran before (here: preempted by vLLM's running loop, then
+    re-admitted through a store load) goes back as PREEMPTED and reaches the
+    worker as *resumed*, with its state intact there.
+
+    Layout (priority policy, lateral, pool 100): R1 (prio 0) and L (prio 5,
+    store hit) run; R1's growth makes vLLM preempt L; X (prio 1, 90-block
+    prompt, 50-block store hit) and L reload together after R1 finishes; X is
+    promoted first, needs 40 blocks with 30 free, nothing runs: L (recv done,
+    executed) is the lateral victim.
+    """
+    b = 16
+    d = SchedulerDriver.build(
+        EngineShape(num_blocks=101, policy="priority"), guarded("lateral")
+    )
+    d.add("R1", 79 * b, max_tokens=40, priority=0)
+    d.add("L", 20 * b, max_tokens=60, priority=5, kv_transfer_params=store_hit(19 * b))
+    resumed: list[str] = []
+    sent_new: list[str] = []
+    lateral_at = None
+    for i in range(200):
+        if i == 3:
+            d.add(
+                "X",
+                90 * b,
+                max_tokens=4,
+                priority=1,
+                kv_transfer_params=store_hit(50 * b),
+            )
+        s = d.step()
+        resumed += s.scheduler_output.scheduled_cached_reqs.resumed_req_ids
+        sent_new += [n.req_id for n in s.scheduler_output.scheduled_new_reqs]
+        stats = d.scheduler.wedge_guard.stats
+        if lateral_at is None and stats.total_lateral_preemptions:
+            lateral_at = i
+            assert stats.lateral_preemptions == {
+                ("recv_done", "ScriptedLoadConnector[0]"): 1
+            }
+            assert d.status("L") == "PREEMPTED"  # executed: resumes, not new
+            assert d.scheduler.wedge_guard.ledger.has_executed("L")
+        if not d.scheduler.has_requests():
+            break
+    assert lateral_at is not None
+    # New once (its first run); after both preemptions it comes back resumed.
+    assert sent_new.count("L") == 1
+    assert resumed == ["L"]
+    assert set(d.finished) == {"R1", "L", "X"}
     assert_scheduler_empty(d.scheduler)
