@@ -111,3 +111,14 @@ def test_composed_scheduler_cls_is_accepted() -> None:
 def test_guarded_scheduler_without_guard_connector_is_refused() -> None:
     with pytest.raises(GuardConfigError, match="WedgeGuardConnector"):
         SchedulerDriver.build(EngineShape(), scripted_multi(), WedgeGuardScheduler)
+
+
+def test_unsupported_vllm_fails_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config naming the guard on an unproven vLLM fails before any request."""
+    import vllm_mooncake.versions as versions
+
+    monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.33.0")
+    with pytest.raises(versions.UnsupportedVllmVersion, match=r"0.32.x but vLLM 0.33.0"):
+        make_vllm_config(EngineShape(), guarded())
+    # Without the guard connector, nothing of ours runs.
+    make_vllm_config(EngineShape(), scripted_multi())
