@@ -118,7 +118,9 @@ def test_unsupported_vllm_fails_at_start_up(monkeypatch: pytest.MonkeyPatch) -> 
     import vllm_mooncake.versions as versions
 
     monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.33.0")
-    with pytest.raises(versions.UnsupportedVllmVersion, match=r"0.32.x but vLLM 0.33.0"):
+    with pytest.raises(
+        versions.UnsupportedVllmVersion, match=r"0.32.x but vLLM 0.33.0"
+    ):
         make_vllm_config(EngineShape(), guarded())
     # Without the guard connector, nothing of ours runs.
     make_vllm_config(EngineShape(), scripted_multi())
