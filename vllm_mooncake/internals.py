@@ -8,6 +8,7 @@ never silently.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -120,8 +121,13 @@ def _resolve(dotted: str) -> type:
     return getattr(mod, cls)  # type: ignore[no-any-return]
 
 
-def _instance_attributes(cls: type) -> set[str]:
-    """Attribute names assigned in ``__init__`` (read from the source)."""
+@functools.cache
+def _instance_attributes(cls: type) -> frozenset[str]:
+    """Attribute names assigned in ``__init__`` (read from the source).
+
+    Cached per class: reading the source takes ~90 ms, and every guarded
+    scheduler checks its internals at construction.
+    """
     names: set[str] = set()
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
@@ -135,7 +141,7 @@ def _instance_attributes(cls: type) -> set[str]:
             stripped = line.strip()
             if stripped.startswith("self.") and "=" in stripped:
                 names.add(stripped[5:].split("=")[0].split(":")[0].strip())
-    return names
+    return frozenset(names)
 
 
 def check_internal(item: Internal) -> str | None:

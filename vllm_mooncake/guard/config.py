@@ -16,7 +16,9 @@ Every error names the field and says how to fix it, and is raised at start-up
 
 from __future__ import annotations
 
+import difflib
 import enum
+import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -178,4 +180,113 @@ def validate_children(extra: Mapping[str, Any] | None) -> list[Mapping[str, Any]
                 f"{where}: duplicates {field}[{seen[key]}]; list each child once"
             )
         seen[key] = i
+        _check_child_fields(child, where)
+        _check_child_connector(name, child.get("kv_connector_module_path"), where)
     return list(children)
+
+
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+GUARD_MODULE = "vllm_mooncake.guard.connector"
+
+
+def _check_child_fields(child: Mapping[str, Any], where: str) -> None:
+    """Types of the child fields the guard and vLLM read before building it."""
+    role = child.get("kv_role")
+    if role is not None and role not in KV_ROLES:
+        raise GuardConfigError(
+            f"{where}.kv_role: {role!r} is not a role; use one of "
+            f"{', '.join(repr(r) for r in KV_ROLES)} (or leave it out)"
+        )
+    extra = child.get("kv_connector_extra_config")
+    if extra is not None and not isinstance(extra, Mapping):
+        raise GuardConfigError(
+            f"{where}.kv_connector_extra_config: expected a JSON object, got {extra!r}"
+        )
+    module = child.get("kv_connector_module_path")
+    if module is not None and (not isinstance(module, str) or not module):
+        raise GuardConfigError(
+            f"{where}.kv_connector_module_path: expected a module path such as "
+            f"'my_pkg.my_connector', got {module!r} (or leave it out)"
+        )
+
+
+def _check_child_connector(name: str, module: str | None, where: str) -> None:
+    """The child names a connector vLLM can build: registered, or importable."""
+    if name == "WedgeGuardConnector" or module == GUARD_MODULE:
+        raise GuardConfigError(
+            f"{where}.kv_connector: the guard cannot be its own child; list the "
+            "transports it wraps, e.g. MooncakeConnector and NixlConnector"
+        )
+    if module is not None:
+        try:
+            loaded = importlib.import_module(module)
+        except ImportError as exc:
+            raise GuardConfigError(
+                f"{where}.kv_connector_module_path: cannot import {module!r} "
+                f"({exc}); install the package that provides it or fix the path"
+            ) from exc
+        if not hasattr(loaded, name):
+            raise GuardConfigError(
+                f"{where}.kv_connector: {module!r} has no class {name!r}; name a "
+                "connector class defined there"
+            )
+        return
+    from vllm.distributed.kv_transfer.kv_connector.factory import (
+        KVConnectorFactory,
+    )
+
+    try:
+        KVConnectorFactory.get_connector_class_by_name(name)
+    except ValueError as exc:
+        if "not registered" not in str(exc):
+            raise
+        # The registry has no public listing; read it for a hint only.
+        known = sorted(getattr(KVConnectorFactory, "_registry", {}))
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise GuardConfigError(
+            f"{where}.kv_connector: {name!r} is not a connector vLLM knows; "
+            f"{hint}use a registered name ({', '.join(known)}) or set "
+            "kv_connector_module_path to the module that defines it"
+        ) from exc
+    except Exception:
+        # Registered, but its module does not load here (e.g. a transport
+        # library only the serving image has): vLLM reports that itself.
+        return
+
+
+def check_scheduler_cls(value: object) -> None:
+    """Raise unless ``scheduler_config.scheduler_cls`` can run the guard.
+
+    None and the guarded schedulers are fine; anything else must be (or
+    name, as a dotted path) a subclass of ``WedgeGuardMixin``.
+    """
+    from vllm_mooncake.plugin import ASYNC_SCHEDULER, SYNC_SCHEDULER
+
+    if value is None or value in (SYNC_SCHEDULER, ASYNC_SCHEDULER):
+        return
+    field = f"scheduler_config.scheduler_cls={value!r}"
+    compose = (
+        "Compose them: `class MyGuarded(vllm_mooncake.guard.scheduler."
+        "WedgeGuardMixin, YourScheduler): pass` and pass --scheduler-cls "
+        "mymodule.MyGuarded, or unset --scheduler-cls to use "
+        f"{ASYNC_SCHEDULER} / {SYNC_SCHEDULER}."
+    )
+    cls = value
+    if isinstance(value, str):
+        module, _, name = value.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise GuardConfigError(
+                f"{field}: cannot import it ({exc}); the wedge guard needs a "
+                f"scheduler that composes WedgeGuardMixin. {compose}"
+            ) from exc
+    from vllm_mooncake.guard.scheduler import WedgeGuardMixin
+
+    if isinstance(cls, type) and issubclass(cls, WedgeGuardMixin):
+        return
+    raise GuardConfigError(
+        f"{field} conflicts with the wedge guard (WedgeGuardConnector needs "
+        f"its scheduler). {compose}"
+    )

@@ -13,7 +13,9 @@ get_num_new_matched_tokens on_lookup (owner child, async or not)
 update_state_after_alloc   on_alloc (receive in flight if async)
 build_connector_meta       on_scheduled / on_preempted
 update_connector_output    accept_recv_complete (drops duplicate and late
-                           notices *before* vLLM's scheduler reads them)
+                           notices *before* vLLM's scheduler reads them;
+                           the guarded scheduler filters earlier, see
+                           filter_recv_notices)
 request_finished[_all...]  on_finished
 =========================  ============================================
 
@@ -82,6 +84,8 @@ class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
         self.stats = GuardStats()
         self.router = ChildRouter.for_children(self._connectors)
         self._is_scheduler = role == KVConnectorRole.SCHEDULER
+        # The output filter_recv_notices last filtered (filter once per step).
+        self._filtered_output: KVConnectorOutput | None = None
 
     @property
     def child_names(self) -> tuple[str, ...]:
@@ -180,21 +184,37 @@ class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
             )
         return meta
 
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Drop duplicate and late receive notices, then forward.
+    def filter_recv_notices(self, connector_output: KVConnectorOutput) -> None:
+        """Drop duplicate and late receive notices from ``connector_output``.
 
-        vLLM's scheduler calls this *before* it reads ``finished_recving``
-        itself, so the filtered set is also what the scheduler acts on: a
-        duplicate (two children reporting one request, upstream #53049) or a
-        late notice for a finished request would trip its assert or free
-        blocks twice.
+        A duplicate (two children reporting one request, upstream #53049) or
+        a late notice for a finished request would trip vLLM's assert or free
+        blocks twice; a duplicate *failure* notice would fail (or reset) a
+        request whose KV arrived. vLLM reads ``failed_recving`` at the top of
+        ``update_from_output``, before it calls
+        :meth:`update_connector_output`, so the guarded scheduler calls this
+        first (found by the property tests); the failed set is cut to the
+        accepted receives even when no receive finished. Once per output.
         """
+        if connector_output is self._filtered_output:
+            return
+        self._filtered_output = connector_output
+        failed = connector_output.failed_recving or set()
+        kept = set()
         if connector_output.finished_recving:
-            failed = connector_output.failed_recving or set()
             kept = self._accepted_recvs(connector_output.finished_recving, failed)
             connector_output.finished_recving = kept or None
-            if connector_output.failed_recving:
-                connector_output.failed_recving = {r for r in failed if r in kept}
+        if failed:
+            connector_output.failed_recving = {r for r in failed if r in kept}
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Drop duplicate and late receive notices (if not yet), then forward.
+
+        vLLM's scheduler calls this *before* it reads ``finished_recving``
+        itself, so the filtered set is also what the scheduler acts on.
+        """
+        self.filter_recv_notices(connector_output)
+        self._filtered_output = None
         super().update_connector_output(connector_output)
 
     def _accepted_recvs(self, finished: Iterable[str], failed: set[str]) -> set[str]:

@@ -31,11 +31,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiKVConnectorStats,
 )
+from vllm.logger import init_logger
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from vllm_mooncake import CONNECTOR_NAME
 from vllm_mooncake.guard.ledger import DroppedNotices
 from vllm_mooncake.guard.stats import GuardStats
+
+logger = init_logger(__name__)
 
 GUARD_STATS_KEY = CONNECTOR_NAME
 """The guard's entry in the connector stats dict (MultiConnector keys its
@@ -314,6 +317,7 @@ class WedgeGuardPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.children = children
+        self._children_without_prom: set[str] = set()
         self.guard = GuardPromMetrics(
             vllm_config, metric_types, labelnames, per_engine_labelvalues
         )
@@ -322,8 +326,24 @@ class WedgeGuardPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
         rest, report = rebuild_guard_entry(transfer_stats_data)
         if report is not None:
             self.guard.observe(report.to_dict(), engine_idx)
-        if rest and self.children is not None:
-            self.children.observe(rest, engine_idx)
+        if self.children is None:
+            return
+        for child, data in rest.items():
+            if child in self._children_without_prom:
+                continue
+            try:
+                self.children.observe({child: data}, engine_idx)
+            except (AssertionError, KeyError):
+                # MultiConnector's prom metrics assert that every child with
+                # stats has Prometheus metrics; vLLM 0.32's MooncakeConnector
+                # reports stats but builds none, and the failed assert ends
+                # the API server's output handler (seen on a real 1P2D).
+                self._children_without_prom.add(child)
+                logger.info(
+                    "KV connector %s reports stats without Prometheus metrics; "
+                    "they stay in the log line only",
+                    child,
+                )
 
 
 __all__ = [

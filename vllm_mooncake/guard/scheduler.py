@@ -25,9 +25,10 @@ Life cycle of a wedge and its resolution (vLLM 0.32):
 
 Nothing of ``Scheduler.schedule()`` is copied: the subclasses override
 ``schedule`` (to reset the per-call budget and watch for stalls),
-``_inflight_prefill_reserved_blocks`` (policies without reservation) and
-``_handle_blocked_waiting_request`` (status fix for never-executed victims),
-each calling ``super()``.
+``update_from_output`` (to drop duplicate and late receive notices before
+vLLM reads them), ``_inflight_prefill_reserved_blocks`` (policies without
+reservation) and ``_handle_blocked_waiting_request`` (status fix for
+never-executed victims), each calling ``super()``.
 """
 
 from __future__ import annotations
@@ -123,9 +124,10 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
             blocks = stock_allocate(request, *args, **kwargs)
             while blocks is None and self._may_preempt_for(request):
                 victim = self._choose_victim(request)
-                if victim is None:
+                if victim is not None:
+                    self._preempt_laterally(victim, request)
+                elif not self._drop_stale_self_reservation(request):
                     break
-                self._preempt_laterally(victim, request)
                 if kwargs.get("reserved_blocks"):
                     kwargs["reserved_blocks"] = (
                         self._inflight_prefill_reserved_blocks()
@@ -147,6 +149,28 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         if self._lateral_budget <= 0:
             self.wedge_guard.stats.attempts_exhausted += 1
             return False
+        return True
+
+    def _drop_stale_self_reservation(self, request: Request) -> bool:
+        """Stop ``request`` reserving blocks against its own admission (W2).
+
+        After a load fails entirely under ``kv_load_failure_policy=recompute``
+        vLLM frees the request's blocks but leaves it in ``_inflight_prefills``;
+        re-admitted through another async load, it reserves its own remaining
+        blocks against itself and never fits when the pool is smaller than
+        twice its need -- with no other holder, there is no victim either (found
+        by the property tests). A request being admitted holds no blocks and
+        has no transfer in flight, so it is no in-flight prefill; vLLM adds it
+        back if this admission starts a load. True if there was one to drop.
+        """
+        if request not in self._inflight_prefills or self._access.holds_blocks(request):
+            return False
+        self._inflight_prefills.discard(request)
+        logger.info(
+            "wedge guard: %s reserved blocks against its own admission after a "
+            "failed load; reservation dropped",
+            request.request_id,
+        )
         return True
 
     def _holder_views(self) -> list[HolderView]:
@@ -207,6 +231,15 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         output = super().schedule(*args, **kwargs)
         self._after_schedule(output)
         return output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: Any
+    ) -> Any:
+        """Filter receive notices before vLLM reads ``failed_recving``."""
+        kv_output = getattr(model_runner_output, "kv_connector_output", None)
+        if kv_output is not None:
+            self.wedge_guard.filter_recv_notices(kv_output)
+        return super().update_from_output(scheduler_output, model_runner_output)
 
     def _inflight_prefill_reserved_blocks(self) -> int:
         if not self.wedge_guard.guard_config.policy.reserves:

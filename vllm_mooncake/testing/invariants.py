@@ -1,0 +1,479 @@
+"""Invariants of a guarded scheduler, checked after every engine step.
+
+Shared by the property tests (``tests/test_properties.py``), the long run
+(``bench/property_run.py``) and the simulator. Each ``*_problems`` function
+reads the real vLLM state and returns what is wrong (empty: the invariant
+holds); :class:`InvariantChecker` runs them all around every
+:meth:`SchedulerDriver.step` and raises :class:`InvariantViolation`, naming
+the invariant, at the first step that breaks one.
+
+The invariants (issue #6):
+
+``blocks``     block conservation: every usable block is either free or
+               referenced, ``ref_cnt`` equals the references held by live
+               requests (plus deferred frees), the free queue holds exactly
+               the unreferenced blocks, no request lists a block twice, and a
+               block held by two requests is a prefix-cache block (never a
+               block some request is writing).
+``in_flight``  no block of a request whose receive is in flight is freed:
+               checked when the guard picks a lateral victim (the victim's
+               receive is not in flight, by the ledger and by the worker),
+               and after every step (every block an in-flight receive is
+               writing is still held by its request).
+``victim``     a lateral victim is a waiting block holder: never RUNNING,
+               never the request being admitted.
+``ledger``     the ledger agrees with the scheduler: every live request is
+               known, no entry outlives its request (an entry may drain a
+               receive still in flight), the ledger's in-flight set is the
+               worker's, and a request the ledger calls executed was sent to
+               the worker as new.
+``resumed``    a request is never sent to the worker as cached/resumed
+               unless the worker saw it as new (vLLM's model runner raises
+               KeyError otherwise).
+``ends``       every request ends, with a reason it may have (length/stop;
+               abort only if aborted; error only after a failed load under
+               ``kv_load_failure_policy=fail``), and the scheduler, ledger
+               and worker end empty.
+``stall``      (lateral policies) no run of zero-token steps with nothing
+               running, in which an admission failed while the ledger's rule
+               still offered a victim other than the request being admitted,
+               longer than the configured bound (the valve may stop early
+               only when ``max_attempts`` runs out: the next step goes on).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm_mooncake.guard.ledger import RecvState
+from vllm_mooncake.testing.leaks import scheduler_leaks
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from vllm_mooncake.guard.ledger import Victim
+    from vllm_mooncake.testing.driver import SchedulerDriver, StepResult
+    from vllm_mooncake.testing.scripted_connector import ScriptedTransferWorker
+
+BLOCKS = "blocks"
+IN_FLIGHT = "in_flight"
+VICTIM = "victim"
+LEDGER = "ledger"
+RESUMED = "resumed"
+ENDS = "ends"
+STALL = "stall"
+INVARIANTS = (BLOCKS, IN_FLIGHT, VICTIM, LEDGER, RESUMED, ENDS, STALL)
+
+# Reasons a request may end with, by what happened to it.
+NORMAL_ENDS = frozenset({"length", "stop"})
+
+
+class InvariantViolation(AssertionError):
+    """An invariant broke; ``invariant`` names it, ``problems`` say how."""
+
+    def __init__(self, invariant: str, step: int, problems: list[str]) -> None:
+        self.invariant = invariant
+        self.step = step
+        self.problems = problems
+        detail = "\n  ".join(problems)
+        super().__init__(f"invariant '{invariant}' broken at step {step}:\n  {detail}")
+
+
+# ---- the checks: each returns what is wrong, empty when it holds ---------------
+def _request_blocks(scheduler: Any) -> dict[str, list[int]]:
+    """Non-null block ids each request lists, over all KV cache groups."""
+    held: dict[str, list[int]] = {}
+    manager = scheduler.kv_cache_manager
+    for single in manager.coordinator.single_type_managers:
+        for req_id, blocks in single.req_to_blocks.items():
+            ids = [b.block_id for b in blocks if not b.is_null]
+            if ids:
+                held.setdefault(req_id, []).extend(ids)
+    return held
+
+
+def block_problems(scheduler: Any) -> list[str]:
+    """Block conservation and single ownership (see the module docstring)."""
+    problems: list[str] = []
+    pool = scheduler.kv_cache_manager.block_pool
+    held = _request_blocks(scheduler)
+    refs: Counter[int] = Counter()
+    owners: dict[int, list[str]] = {}
+    for req_id, ids in held.items():
+        twice = sorted(b for b, n in Counter(ids).items() if n > 1)
+        if twice:
+            problems.append(f"{req_id} lists block(s) {twice} twice")
+        if req_id not in scheduler.requests:
+            problems.append(f"blocks {sorted(ids)} held for {req_id}, which is gone")
+        refs.update(set(ids))
+        for b in set(ids):
+            owners.setdefault(b, []).append(req_id)
+    deferred: Counter[int] = Counter(
+        b.block_id
+        for _, blocks in getattr(scheduler, "deferred_frees", ())
+        for b in blocks
+        if not b.is_null
+    )
+    free_ids = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+    free = set(free_ids)
+    if len(free) != len(free_ids):
+        problems.append("a block is in the free queue twice")
+    for block in pool.blocks:
+        if block.is_null:
+            continue
+        expected = refs[block.block_id] + deferred[block.block_id]
+        if block.ref_cnt != expected:
+            problems.append(
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} but "
+                f"{expected} reference(s) (held by {owners.get(block.block_id, [])}, "
+                f"{deferred[block.block_id]} deferred)"
+            )
+        if (block.ref_cnt == 0) != (block.block_id in free):
+            where = "in" if block.block_id in free else "not in"
+            problems.append(
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} and {where} "
+                "the free queue"
+            )
+        sharers = owners.get(block.block_id, [])
+        if len(sharers) > 1 and block.block_hash is None:
+            problems.append(
+                f"block {block.block_id} is owned by {sorted(sharers)} but is not "
+                "a prefix-cache block"
+            )
+    usable = pool.num_gpu_blocks - 1
+    in_use = set(refs) | set(deferred)
+    if pool.get_num_free_blocks() != len(free):
+        problems.append(
+            f"free count {pool.get_num_free_blocks()} != free queue {len(free)}"
+        )
+    if len(free) + len(in_use) != usable:
+        problems.append(
+            f"free {len(free)} + held {len(in_use)} != pool {usable} "
+            f"({usable - len(free) - len(in_use)} block(s) unaccounted for)"
+        )
+    return problems
+
+
+def async_receives(worker: ScriptedTransferWorker) -> dict[str, list[int]]:
+    """Async receives the worker is still writing: request -> block ids."""
+    return {
+        req_id: order.block_ids
+        for req_id, order in worker.in_flight_orders().items()
+        if order.script.is_async
+    }
+
+
+def in_flight_problems(scheduler: Any, worker: ScriptedTransferWorker) -> list[str]:
+    """Every block an in-flight receive writes is still held by its request."""
+    problems: list[str] = []
+    held = _request_blocks(scheduler)
+    for req_id, block_ids in async_receives(worker).items():
+        if req_id not in scheduler.requests:
+            problems.append(
+                f"{req_id}: its receive is in flight but the scheduler dropped it "
+                f"(blocks {block_ids} freed under the transfer)"
+            )
+            continue
+        missing = sorted(set(block_ids) - set(held.get(req_id, ())))
+        if missing:
+            problems.append(
+                f"{req_id}: block(s) {missing} freed while its receive is still "
+                "writing them"
+            )
+    return problems
+
+
+def victim_problems(
+    scheduler: Any, worker: ScriptedTransferWorker, victim: Victim, target: Any
+) -> tuple[list[str], list[str]]:
+    """(in_flight problems, victim problems) of a lateral victim, before it goes."""
+    from vllm.v1.request import RequestStatus
+
+    req_id = victim.req_id
+    in_flight: list[str] = []
+    if req_id in async_receives(worker):
+        in_flight.append(f"lateral victim {req_id}: the worker is still receiving it")
+    ledger = scheduler.wedge_guard.ledger
+    if ledger.recv_state(req_id) is RecvState.IN_FLIGHT:
+        in_flight.append(
+            f"lateral victim {req_id}: the ledger has its receive in flight"
+        )
+    bad: list[str] = []
+    request = scheduler.requests.get(req_id)
+    if request is None or request.is_finished():
+        bad.append(f"lateral victim {req_id} is not a live request")
+    elif request.status == RequestStatus.RUNNING or request in scheduler.running:
+        bad.append(f"lateral victim {req_id} is RUNNING")
+    if req_id == target.request_id:
+        bad.append(f"lateral victim {req_id} is the request being admitted")
+    return in_flight, bad
+
+
+def ledger_problems(
+    scheduler: Any, worker: ScriptedTransferWorker, seen_as_new: set[str]
+) -> list[str]:
+    """The ledger agrees with the scheduler and the worker."""
+    from vllm.v1.request import RequestStatus
+
+    problems: list[str] = []
+    ledger = scheduler.wedge_guard.ledger
+    receiving = set(async_receives(worker))
+    for req_id, request in scheduler.requests.items():
+        entry = ledger.get(req_id)
+        if request.is_finished():
+            if req_id in receiving and (entry is None or not entry.finished):
+                problems.append(
+                    f"{req_id} finished with its receive in flight but the ledger "
+                    "does not drain it"
+                )
+            continue
+        if entry is None:
+            problems.append(f"live request {req_id} ({request.status.name}) unknown")
+            continue
+        waiting_recv = (
+            request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            and req_id not in scheduler.finished_recving_kv_req_ids
+        )
+        if waiting_recv and entry.recv is not RecvState.IN_FLIGHT:
+            problems.append(
+                f"{req_id} waits for its receive but the ledger has recv="
+                f"{entry.recv.value}"
+            )
+        if entry.recv is RecvState.IN_FLIGHT and not waiting_recv:
+            problems.append(
+                f"ledger has {req_id}'s receive in flight but it is "
+                f"{request.status.name}"
+            )
+        if entry.executed and req_id not in seen_as_new:
+            problems.append(
+                f"ledger says {req_id} executed but the worker never saw it as new"
+            )
+    for entry in ledger.entries():
+        request = scheduler.requests.get(entry.req_id)
+        if request is None:
+            problems.append(f"stale ledger entry {entry.req_id}: the request is gone")
+        elif request.is_finished() and not (
+            entry.finished and entry.recv is RecvState.IN_FLIGHT
+        ):
+            problems.append(
+                f"stale ledger entry {entry.req_id}: finished, recv={entry.recv.value}"
+            )
+    ledger_receiving = ledger.in_flight()
+    if ledger_receiving != receiving:
+        problems.append(
+            f"in flight per the ledger only: {sorted(ledger_receiving - receiving)}; "
+            f"per the worker only: {sorted(receiving - ledger_receiving)}"
+        )
+    return problems
+
+
+def resumed_problems(so: SchedulerOutput, seen_as_new: set[str]) -> list[str]:
+    """Cached/resumed requests the worker never saw as new."""
+    cached = so.scheduled_cached_reqs
+    resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
+    return [
+        f"{req_id} sent to the worker as "
+        f"{'resumed' if req_id in resumed else 'cached'} but never seen as new"
+        for req_id in cached.req_ids
+        if req_id not in seen_as_new
+    ]
+
+
+def end_problems(
+    driver: SchedulerDriver, allowed: Mapping[str, frozenset[str]]
+) -> list[str]:
+    """Every request ended with an allowed reason; nothing is left behind.
+
+    ``allowed``: request id -> the finish reasons it may end with.
+    """
+    problems: list[str] = []
+    for req_id, reasons in allowed.items():
+        got = driver.finished.get(req_id)
+        if got is None:
+            request = driver.scheduler.requests.get(req_id)
+            state = request.status.name if request is not None else "unknown"
+            problems.append(f"{req_id} never ended ({state})")
+        elif got not in reasons:
+            problems.append(
+                f"{req_id} ended '{got}', expected one of {sorted(reasons)}"
+            )
+    problems += scheduler_leaks(driver.scheduler)
+    ledger = driver.scheduler.wedge_guard.ledger
+    if len(ledger):
+        problems.append(f"ledger not empty: {[e.req_id for e in ledger.entries()]}")
+    if driver.worker.in_flight:
+        problems.append(f"receives still in flight: {sorted(driver.worker.in_flight)}")
+    return problems
+
+
+def lateral_candidates(scheduler: Any) -> list[str]:
+    """Waiting holders the ledger's rule would let the valve preempt."""
+    ledger = scheduler.wedge_guard.ledger
+    return [
+        v.req_id
+        for v in scheduler._holder_views()
+        if ledger.candidate_reason(v, target="") is not None
+    ]
+
+
+# ---- the checker ------------------------------------------------------------------
+@dataclass(frozen=True)
+class LateralRecord:
+    step: int
+    victim: str
+    target: str
+    reason: str
+
+
+@dataclass
+class CheckerStats:
+    steps: int = 0
+    laterals: list[LateralRecord] = field(default_factory=list)
+    longest_stall: int = 0  # zero-token idle steps in a row, candidate or not
+    longest_candidate_stall: int = 0  # ... blocked while a victim was left
+    blocked_with_candidate: int = 0  # admissions failed with a victim left
+
+
+class InvariantChecker:
+    """Checks every invariant around each step of a guarded driver.
+
+    Install it before the first step; it wraps the guard's lateral
+    preemption (to look at each victim before it goes) and the driver's
+    ``on_scheduled`` callback (to see what is sent to the worker before the
+    fake worker does). Call :meth:`after_step` with each step's result and
+    :meth:`at_end` once the run is over.
+
+    ``stall_bound``: the longest run of zero-token idle steps allowed in
+    which an admission failed with a lateral victim left; None skips the
+    ``stall`` invariant (policies without the valve). ``skip``: invariants
+    not to check. ``watch_laterals=False`` leaves the victim checks to the
+    after-step checks (and records no lateral preemptions).
+    """
+
+    def __init__(
+        self,
+        driver: SchedulerDriver,
+        stall_bound: int | None = None,
+        skip: Iterable[str] = (),
+        watch_laterals: bool = True,
+    ) -> None:
+        self.driver = driver
+        self.scheduler = driver.scheduler
+        self.stall_bound = stall_bound
+        self.skip = frozenset(skip)
+        self.stats = CheckerStats()
+        self.seen_as_new: set[str] = set()
+        self._stall = 0
+        self._candidate_stall = 0
+        self._blocked_with_candidate = False  # in the step being run
+        if watch_laterals:
+            self._watch_lateral_preemptions()
+        self._watch_admissions()
+        self._watch_worker_input()
+
+    # ---- hooks ------------------------------------------------------------------
+    def _watch_lateral_preemptions(self) -> None:
+        scheduler = self.scheduler
+        preempt: Callable[[Victim, Any], None] = scheduler._preempt_laterally
+
+        def watched(victim: Victim, target: Any) -> None:
+            in_flight, bad = victim_problems(
+                scheduler, self.driver.worker, victim, target
+            )
+            self._raise_if(IN_FLIGHT, in_flight)
+            self._raise_if(VICTIM, bad)
+            preempt(victim, target)
+            self.stats.laterals.append(
+                LateralRecord(
+                    self.driver.num_steps,
+                    victim.req_id,
+                    target.request_id,
+                    victim.reason.value,
+                )
+            )
+
+        scheduler._preempt_laterally = watched
+
+    def _watch_admissions(self) -> None:
+        """Note an admission that failed while the ledger offered a victim.
+
+        Wraps the (guarded) ``allocate_slots`` of the scheduler's manager: a
+        ``None`` for a WAITING / PREEMPTED request after the valve is done.
+        """
+        from vllm.v1.request import RequestStatus
+
+        scheduler = self.scheduler
+        manager = scheduler.kv_cache_manager
+        allocate = manager.allocate_slots
+        admitting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+        def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
+            blocks = allocate(request, *args, **kwargs)
+            if blocks is None and request.status in admitting:
+                ledger = scheduler.wedge_guard.ledger
+                views = scheduler._holder_views()
+                if ledger.pick_victim(views, request.request_id) is not None:
+                    self._blocked_with_candidate = True
+                    self.stats.blocked_with_candidate += 1
+            return blocks
+
+        manager.allocate_slots = allocate_slots
+
+    def _watch_worker_input(self) -> None:
+        previous = self.driver.on_scheduled
+
+        def on_scheduled(so: SchedulerOutput) -> None:
+            for new in so.scheduled_new_reqs:
+                self.seen_as_new.add(new.req_id)
+            self._raise_if(RESUMED, resumed_problems(so, self.seen_as_new))
+            # Before the worker writes this step: receives still landing
+            # must still own their blocks (vLLM may assert later in the step).
+            self._raise_if(
+                IN_FLIGHT, in_flight_problems(self.scheduler, self.driver.worker)
+            )
+            for req_id in so.finished_req_ids:
+                self.seen_as_new.discard(req_id)
+            if previous is not None:
+                previous(so)
+
+        self.driver.on_scheduled = on_scheduled
+
+    # ---- per step ------------------------------------------------------------------
+    def after_step(self, result: StepResult) -> None:
+        self.stats.steps += 1
+        scheduler, worker = self.scheduler, self.driver.worker
+        self._raise_if(BLOCKS, block_problems(scheduler))
+        self._raise_if(IN_FLIGHT, in_flight_problems(scheduler, worker))
+        self._raise_if(LEDGER, ledger_problems(scheduler, worker, self.seen_as_new))
+        self._track_stall(result)
+
+    def _track_stall(self, result: StepResult) -> None:
+        idle = result.num_scheduled_tokens == 0 and not self.scheduler.running
+        self._stall = self._stall + 1 if idle else 0
+        stuck = idle and self._blocked_with_candidate
+        self._blocked_with_candidate = False
+        self._candidate_stall = self._candidate_stall + 1 if stuck else 0
+        self.stats.longest_stall = max(self.stats.longest_stall, self._stall)
+        self.stats.longest_candidate_stall = max(
+            self.stats.longest_candidate_stall, self._candidate_stall
+        )
+        if self.stall_bound is not None and self._candidate_stall > self.stall_bound:
+            self._raise_if(
+                STALL,
+                [
+                    f"{self._candidate_stall} zero-token steps with nothing running "
+                    "in which an admission failed while the ledger offered a "
+                    f"victim (candidates now: {lateral_candidates(self.scheduler)}; "
+                    f"bound {self.stall_bound})"
+                ],
+            )
+
+    def at_end(self, allowed: Mapping[str, frozenset[str]]) -> None:
+        self._raise_if(ENDS, end_problems(self.driver, allowed))
+
+    def _raise_if(self, invariant: str, problems: list[str]) -> None:
+        if problems and invariant not in self.skip:
+            raise InvariantViolation(invariant, self.driver.num_steps, problems)
