@@ -1,11 +1,18 @@
-"""``make demo``: the wedge catalogue on vLLM's real scheduler, per policy.
+"""``make demo``: the seed's 1P2D x 256 stall, stock vs guarded, then the catalogue.
 
-For every wedge in :mod:`vllm_mooncake.testing.wedges` and every policy, this
-drives vLLM 0.32's real ``Scheduler``/``KVCacheManager`` (through the guard
-connector over two scripted children -- a Mooncake-store-like prefix loader
-and a NIXL-like P->D transfer; only the GPU and the transport are fake) and
-prints one row: did every request finish, the longest run of steps that
-scheduled no token, and how many lateral preemptions the guard made.
+Part 1 runs the simulator (:mod:`vllm_mooncake.sim`) on
+``scenarios/seed_1p2d_256.yaml``: one prefill and two decode ranks, each
+vLLM 0.32's real ``Scheduler``/``KVCacheManager`` behind the guard connector
+over two scripted children (a Mooncake-store-like prefix loader and a
+NIXL-like P->D transfer), 256 closed-loop clients, a cost model for the
+forward pass. It prints one row per policy -- ``no-reserve`` (stock vLLM with
+the async-load reservation removed, as before 0.23), upstream ``reserve``,
+and the guarded ``reserve+lateral`` / ``lateral`` -- and the plot's path.
+
+Part 2 is the wedge catalogue (:mod:`vllm_mooncake.testing.wedges`), each
+wedge on one rank per policy: did every request finish, the longest run of
+steps that scheduled no token, and how many lateral preemptions the guard
+made.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from vllm_mooncake.testing import prepare_offline_env  # noqa: E402
 prepare_offline_env()
 
 POLICIES = ("no-reserve", "reserve", "reserve+lateral", "lateral")
+# Stock-like (no reservation, no valve), upstream, then the guarded policies.
+SIM_POLICIES = POLICIES
 
 
 @dataclass
@@ -85,15 +94,68 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def simulate(scale: float, policies: tuple[str, ...]) -> None:
+    """Part 1: the seed's 1P2D x 256 scenario under each policy, and the plot."""
+    from vllm_mooncake.sim.__main__ import REPO_SCENARIOS, RESULTS_DIR
+    from vllm_mooncake.sim.compare import describe, format_table, run_policies
+    from vllm_mooncake.sim.plot import plot_results
+    from vllm_mooncake.sim.progress import ProgressLine
+    from vllm_mooncake.sim.scenario import load_scenario
+
+    scenario = load_scenario(REPO_SCENARIOS / "seed_1p2d_256.yaml")
+    progress = ProgressLine if sys.stderr.isatty() else None
+    results = run_policies(scenario, policies, scale, progress=progress)
+    out_dir = RESULTS_DIR / scenario.name
+    for result in results:
+        result.write(out_dir / f"{result.policy}.json")
+    plot = plot_results(
+        results, out_dir / "compare.png", f"{scenario.name} (scale {scale:g})"
+    )
+    w = scenario.workload
+    assert w is not None
+    print()
+    print(
+        f"PD simulation on vLLM's real 0.32 scheduler: "
+        f"{scenario.ranks.prefill}P{scenario.ranks.decode}D, "
+        f"{round(w.concurrency * scale)} closed-loop clients, "
+        f"{round(w.num_requests * scale)} requests (scenarios/seed_1p2d_256.yaml)"
+    )
+    print(
+        f"WEDGED: a rank scheduled nothing for {scenario.limits.wedge_steps} "
+        "steps with nothing in flight that could end it (the run stops there)."
+    )
+    print()
+    print(format_table(results))
+    print()
+    for line in describe(results):
+        print(f"  {line}")
+    print(f"  results: {out_dir}/  plot: {plot}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    from vllm_mooncake.sim.logs import quiet_vllm
+
+    if not os.environ.get("VERBOSE"):
+        quiet_vllm()  # before vLLM is imported: it warns at import time
     from vllm_mooncake.plugin import register
     from vllm_mooncake.testing.wedges import CATALOGUE
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-steps", type=int, default=300)
     parser.add_argument("--policy", action="append", choices=POLICIES)
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="size of the 1P2D run (1 = 256 clients)",
+    )
+    parser.add_argument(
+        "--no-sim", action="store_true", help="only the wedge catalogue"
+    )
     args = parser.parse_args(argv)
     register()
+    if not args.no_sim:
+        simulate(args.scale, tuple(args.policy or SIM_POLICIES))
     rows = [
         run_one(name, policy, args.max_steps)
         for name in CATALOGUE

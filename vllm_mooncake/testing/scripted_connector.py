@@ -21,9 +21,12 @@ Request life cycle, as scripted by ``kv_transfer_params[<params_key>]``::
      "outcome": "ok",       # "ok" | "fail" (nothing valid) | "partial"
      "valid_tokens": 0,     # for "partial": tokens that did arrive
      "failing_attempts": -1,# loads that fail before one succeeds (-1: all)
-     "defer_lookups": 0}    # lookups answered "ask again later" (None) first
+     "defer_lookups": 0,    # lookups answered "ask again later" (None) first
      "reoffer": false,      # offer the hit again after a preemption
                             # (store-like); a P->D transfer is one-shot
+     "delay_free": false}   # producer side of a P->D transfer (NIXL on P):
+                            # when the request finishes, keep its blocks until
+                            # the worker reports it in finished_sending
 
 1. lookup   -- ``get_num_new_matched_tokens`` offers the scripted tokens.
 2. alloc    -- ``update_state_after_alloc`` records a load order with the
@@ -102,6 +105,8 @@ class LoadScript:
             "reoffer",
             "failing_attempts",
             "defer_lookups",
+            "done_after_s",
+            "delay_free",
         }
         unknown = set(raw) - known
         if unknown:
@@ -117,6 +122,8 @@ class LoadScript:
             reoffer=bool(raw.get("reoffer", False)),
             failing_attempts=int(raw.get("failing_attempts", -1)),
             defer_lookups=int(raw.get("defer_lookups", 0)),
+            done_after_s=_optional_seconds(raw.get("done_after_s"), where),
+            delay_free=bool(raw.get("delay_free", False)),
         )
         if script.outcome not in OUTCOMES:
             raise ScriptError(
@@ -269,7 +276,9 @@ class ScriptedLoadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._lookups_seen.pop(request.request_id, None)
         self._lookup_start.pop(request.request_id, None)
         self._orders.pop(request.request_id, None)
-        return False, None
+        script = self.script_for(request)
+        # A producer keeps its blocks until the consumer has pulled them.
+        return bool(script and script.delay_free and block_ids), None
 
     # ---- worker side: the driver plays the worker, so these do nothing ----
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -340,6 +349,10 @@ class ScriptedTransferWorker:
     def in_flight(self) -> set[ReqId]:
         return set(self._transfers)
 
+    def in_flight_orders(self) -> dict[ReqId, LoadOrder]:
+        """The load orders still being written, by request (invariant checks)."""
+        return {req_id: t.order for req_id, t in self._transfers.items()}
+
     def set_window(self, start: float, end: float) -> None:
         """The simulated time span of the next :meth:`advance` (seconds)."""
         if end < start:
@@ -383,11 +396,17 @@ class ScriptedTransferWorker:
             if not transfer.lands(end):
                 continue
             del self._transfers[req_id]
+            order = transfer.order
+            if not order.script.is_async:
+                # A synchronous load completes inside the forward pass: no
+                # receive notice, only the blocks that did not arrive.
+                invalid |= order.invalid_block_ids()
+                continue
             finished.add(req_id)
-            if transfer.order.outcome == "fail":
+            if order.outcome == "fail":
                 failed.add(req_id)
-            elif transfer.order.outcome == "partial":
-                invalid |= transfer.order.invalid_block_ids()
+            elif order.outcome == "partial":
+                invalid |= order.invalid_block_ids()
         return KVConnectorOutput(
             finished_sending=sending or None,
             finished_recving=finished or None,

@@ -1,0 +1,241 @@
+"""One simulated engine: vLLM's real scheduler behind the guard connector.
+
+A :class:`Rank` is a :class:`~vllm_mooncake.testing.driver.SchedulerDriver`
+(vLLM 0.32's ``Scheduler`` / ``KVCacheManager``, the fake worker) whose
+``kv_transfer_config`` is the guard connector over the two scripted children
+(``store_load``: a Mooncake-store-like prefix loader; ``pd_load``: a
+NIXL-like P->D transfer), plus a simulated clock.
+
+One :meth:`Rank.step` at the rank's clock:
+
+1. ``schedule()`` -- real admission, promotion, lateral preemption;
+2. the step is priced by the cost model, which sets the worker's window
+   ``[start, start + cost]`` (so timed receives land in the right step);
+3. the fake worker reports tokens, landed receives and the sends the
+   cluster released (``finished_sending``: a decode rank pulled, or the
+   lease ran out);
+4. ``update_from_output()``; the clock moves to the end of the step -- or,
+   when the only work left is receives in flight, to when the next one lands.
+
+The rank never decides where requests go; :mod:`.cluster` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm_mooncake.sim.cost import CostModel
+from vllm_mooncake.sim.scenario import EngineSpec, GuardSpec
+from vllm_mooncake.sim.stalls import StallTracker
+from vllm_mooncake.testing.configs import guarded
+from vllm_mooncake.testing.driver import (
+    EngineShape,
+    SchedulerDriver,
+    make_scheduler,
+    make_vllm_config,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from vllm_mooncake.guard.stats import GuardStats
+
+ReqId = str
+
+
+@dataclass
+class RankStep:
+    """What one step of one rank did, in simulated time."""
+
+    start_s: float
+    end_s: float
+    tokens: int  # scheduled tokens (prefill and decode)
+    seqs: int  # scheduled requests
+    output_tokens: int = 0  # tokens sampled
+    first_tokens: list[ReqId] = field(default_factory=list)
+    finished: list[tuple[ReqId, str]] = field(default_factory=list)
+    recv_done: list[ReqId] = field(default_factory=list)  # receives that landed
+    preempted: int = 0
+    blocked: bool = False
+    free_blocks: int = 0
+
+
+def engine_shape(spec: EngineSpec) -> EngineShape:
+    return EngineShape(
+        num_blocks=spec.num_blocks,
+        block_size=spec.block_size,
+        max_num_seqs=spec.max_num_seqs,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        max_model_len=spec.max_model_len,
+        policy="priority" if spec.policy == "priority" else "fcfs",
+        reserve_full_isl=spec.scheduler_reserve_full_isl,
+        enable_prefix_caching=spec.enable_prefix_caching,
+        async_scheduling=spec.async_scheduling,
+    )
+
+
+def build_driver(spec: EngineSpec, guard: GuardSpec) -> SchedulerDriver:
+    """A driver whose scheduler is the guarded one, as vLLM would pick it."""
+    kv_config = guarded(
+        guard.policy,
+        kv_load_failure_policy=spec.kv_load_failure_policy,
+        **guard.section(),
+    )
+    vllm_config = make_vllm_config(engine_shape(spec), kv_config)
+    return SchedulerDriver(make_scheduler(vllm_config), keep_steps=False)
+
+
+class Rank:
+    """A vLLM engine with a clock; see the module docstring for one step."""
+
+    def __init__(
+        self,
+        name: str,
+        role: str,
+        spec: EngineSpec,
+        guard: GuardSpec,
+        cost: CostModel,
+        wedge_steps: int,
+    ) -> None:
+        self.name = name
+        self.role = role  # "prefill" | "decode" | "single"
+        self.spec = spec
+        self.cost = cost
+        self.driver = build_driver(spec, guard)
+        self.driver.on_scheduled = self._price
+        self.clock = 0.0  # when the next step starts
+        self.last_end = 0.0  # when the last step ended
+        self.stalls = StallTracker(wedge_steps)
+        # Producer side: finished requests whose blocks wait for a pull.
+        self.held: set[ReqId] = set()
+        self._sends: list[ReqId] = []  # released, reported next step
+        self._emitted: set[ReqId] = set()  # requests that sampled a token here
+        self._unfinished_at_schedule = 0
+        self._window = (0.0, 0.0)
+        self.busy_s = 0.0  # simulated seconds of steps that scheduled tokens
+
+    # ---- observations ----------------------------------------------------------
+    @property
+    def scheduler(self) -> Any:
+        return self.driver.scheduler
+
+    @property
+    def guard_stats(self) -> GuardStats:
+        stats: GuardStats = self.scheduler.wedge_guard.stats
+        return stats
+
+    @property
+    def num_steps(self) -> int:
+        return self.driver.num_steps
+
+    @property
+    def num_unfinished(self) -> int:
+        return int(self.scheduler.get_num_unfinished_requests())
+
+    @property
+    def active(self) -> bool:
+        """Whether stepping the rank can do anything."""
+        return bool(self.num_unfinished or self._sends)
+
+    @property
+    def load(self) -> int:
+        """Requests queued or running here (for the least-loaded router)."""
+        return self.num_unfinished
+
+    # ---- inputs --------------------------------------------------------------------
+    def add(
+        self,
+        req_id: ReqId,
+        prompt_tokens: int,
+        max_tokens: int,
+        priority: int,
+        params: dict[str, Any] | None,
+        at: float,
+    ) -> None:
+        """A request arrives at simulated time ``at``."""
+        self.wake(at)
+        self.driver.add(
+            req_id,
+            prompt_tokens,
+            max_tokens=max_tokens,
+            priority=priority,
+            kv_transfer_params=params,
+            arrival_time=at,  # vLLM orders equal priorities by it
+        )
+
+    def release(self, req_id: ReqId, at: float) -> bool:
+        """Free a held request's blocks in the next step (pull done / lease out)."""
+        if req_id not in self.held:
+            return False
+        self.held.discard(req_id)
+        if req_id in self.scheduler.requests:  # vLLM really delayed the free
+            self._sends.append(req_id)
+            self.wake(at)
+        return True
+
+    def wake(self, at: float) -> None:
+        """Something arrives at ``at``: the rank may step then, not later."""
+        if not self.active or self.clock > max(at, self.last_end):
+            self.clock = max(at, self.last_end)
+
+    # ---- one step -------------------------------------------------------------------
+    def _price(self, so: SchedulerOutput) -> None:
+        """Between schedule() and the worker: price the step, set the window."""
+        tokens = int(so.total_num_scheduled_tokens)
+        cost = self.cost.step_seconds(tokens, len(so.num_scheduled_tokens))
+        self._window = (self.clock, self.clock + cost)
+        self.driver.worker.set_window(*self._window)
+        self._unfinished_at_schedule = self.num_unfinished
+
+    def step(self) -> RankStep:
+        sends, self._sends = self._sends, []
+        result = self.driver.step(finished_sending=sends)
+        so = result.scheduler_output
+        start, end = self._window
+        out = RankStep(
+            start_s=start,
+            end_s=end,
+            tokens=result.num_scheduled_tokens,
+            seqs=len(so.num_scheduled_tokens),
+            preempted=len(so.preempted_req_ids or ()),
+            recv_done=sorted(result.kv_connector_output.finished_recving or ()),
+        )
+        self._read_outputs(result.engine_outputs, out)
+        self._observe_stall(out)
+        if out.tokens:
+            self.busy_s += end - start
+        self.last_end = end
+        self.clock = self._next_start(out)
+        out.free_blocks = self.driver.num_free_blocks
+        return out
+
+    def _read_outputs(self, engine_outputs: dict[int, Any], out: RankStep) -> None:
+        for outputs in engine_outputs.values():
+            for o in outputs.outputs:
+                if o.new_token_ids:
+                    out.output_tokens += len(o.new_token_ids)
+                    if o.request_id not in self._emitted:
+                        self._emitted.add(o.request_id)
+                        out.first_tokens.append(o.request_id)
+                if o.finish_reason is not None:
+                    out.finished.append((o.request_id, str(o.finish_reason)))
+                    self._emitted.discard(o.request_id)
+
+    def _observe_stall(self, out: RankStep) -> None:
+        in_flight = self.driver.worker.in_flight
+        waiting_on_transfer = len(in_flight) + len(out.recv_done)
+        out.blocked = (
+            out.tokens == 0 and self._unfinished_at_schedule > waiting_on_transfer
+        )
+        resolvable = bool(in_flight or self.held or self._sends)
+        self.stalls.observe(out.start_s, out.end_s, out.blocked, resolvable)
+
+    def _next_start(self, out: RankStep) -> float:
+        """End of the step; or, waiting only for receives, when the next lands."""
+        if out.tokens or out.blocked or self._sends:
+            return out.end_s
+        deadline = self.driver.worker.next_deadline()
+        if deadline is None:
+            return out.end_s
+        return max(out.end_s, deadline)

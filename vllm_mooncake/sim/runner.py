@@ -1,0 +1,35 @@
+"""Run one scenario under one policy: workload, cluster, result."""
+
+from __future__ import annotations
+
+from vllm_mooncake.sim.cluster import Cluster, ProgressFn
+from vllm_mooncake.sim.results import RunResult
+from vllm_mooncake.sim.scenario import Scenario
+from vllm_mooncake.sim.workload import build_workload
+
+
+def shape_of(scenario: Scenario) -> str:
+    if scenario.mode == "single":
+        return "single"
+    return f"{scenario.ranks.prefill}P{scenario.ranks.decode}D"
+
+
+def run_scenario(
+    scenario: Scenario, scale: float = 1.0, progress: ProgressFn | None = None
+) -> RunResult:
+    """Simulate ``scenario`` (already overridden: policy, seed) at ``scale``."""
+    from vllm_mooncake.plugin import register
+
+    register()  # what vLLM does at start-up: the guard connector by name
+    scenario = scenario.scaled(scale)
+    cluster = Cluster(scenario, build_workload(scenario), progress)
+    header: dict[str, object] = {
+        "scenario": scenario.name,
+        "source": scenario.source,
+        "mode": scenario.mode,
+        "shape": shape_of(scenario),
+        "policy": scenario.policy,
+        "seed": scenario.seed,
+        "scale": scale,
+    }
+    return cluster.run(header)
