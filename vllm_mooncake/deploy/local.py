@@ -1,0 +1,359 @@
+"""A 1P2D (or 2P2D) vLLM cluster on 127.0.0.1 running the wedge guard.
+
+::
+
+    python -m vllm_mooncake.deploy.local up [--shape 1p2d|2p2d|1p1d] [...]
+    python -m vllm_mooncake.deploy.local status
+    python -m vllm_mooncake.deploy.local down
+
+``up`` starts, in order, and waits for each to be healthy:
+
+1. one Mooncake bootstrap server per prefill rank, on 127.0.0.1
+   (:mod:`~vllm_mooncake.deploy.mooncake_bootstrap`);
+2. the prefill and decode vLLM servers, in parallel, each with
+   ``WedgeGuardConnector`` over [MooncakeConnector, NixlConnector]
+   (:func:`~vllm_mooncake.deploy.layout.kv_transfer_config`), pinned to
+   their CPUs;
+3. the router (``vllm-router --vllm-pd-disaggregation``);
+
+then sends one request through the router. Logs go to
+``<cache>/deploy/<run>/logs/<name>.log``; ``state.json`` next to them records
+what was started, and ``down`` stops exactly that
+(:mod:`~vllm_mooncake.deploy.procs`). A failed ``up`` stops what it started.
+
+The model is ``--model`` / ``$MODEL``, else the generated tiny Llama. On a
+host without accelerator the CPU settings apply (float32, eager, 1 GiB KV
+cache per rank, OpenMP pinning, Mooncake over TCP); with GPUs each rank gets
+one GPU (``CUDA_VISIBLE_DEVICES``) and Mooncake uses RDMA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_mooncake.deploy import layout
+from vllm_mooncake.deploy.layout import HOST, ClusterSpec, Rank
+from vllm_mooncake.deploy.procs import Run, StartupError, port_in_use
+from vllm_mooncake.testing.offline import cache_dir, prepare_offline_env
+
+DEFAULT_RUN = "local"
+BASE_PORT_ENV = "VLLM_MOONCAKE_BASE_PORT"
+
+
+def run_dir(run: str = DEFAULT_RUN) -> Path:
+    return cache_dir() / "deploy" / run
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """What ``up`` started: URLs for clients and the run to stop."""
+
+    spec: ClusterSpec
+    ranks: tuple[Rank, ...]
+    run_dir: Path
+    model: str
+    cpu: bool
+    timings: dict[str, float]
+
+    @property
+    def router_url(self) -> str:
+        return f"http://{HOST}:{self.spec.ports.router}"
+
+    @property
+    def prefill_urls(self) -> list[str]:
+        return [r.url for r in self.ranks if r.role == "prefill"]
+
+    @property
+    def decode_urls(self) -> list[str]:
+        return [r.url for r in self.ranks if r.role == "decode"]
+
+    @property
+    def bootstrap_urls(self) -> list[str]:
+        return [
+            f"http://{HOST}:{r.bootstrap_port}"
+            for r in self.ranks
+            if r.bootstrap_port is not None
+        ]
+
+    def log(self, name: str) -> Path:
+        return self.run_dir / "logs" / f"{name}.log"
+
+    def stop(self, timeout: float = 30.0) -> list[str]:
+        return Run(self.run_dir).stop(timeout)
+
+
+def resolve_model(spec: ClusterSpec) -> str:
+    if spec.model:
+        return spec.model
+    from vllm_mooncake.deploy.tiny_model import ensure_tiny_model
+
+    return str(ensure_tiny_model())
+
+
+def host_is_cpu(spec: ClusterSpec) -> bool:
+    if spec.cpu is not None:
+        return spec.cpu
+    from vllm_mooncake.compat.cpu import has_accelerator
+
+    return not has_accelerator()
+
+
+def all_ports(spec: ClusterSpec) -> list[int]:
+    ports = spec.ports
+    out = [ports.router, ports.router_metrics]
+    for i in range(spec.num_prefill):
+        out += [ports.prefill(i), ports.bootstrap(i), ports.nixl_prefill(i)]
+    for j in range(spec.num_decode):
+        out += [ports.decode(j), ports.nixl_decode(j)]
+    return out
+
+
+def base_env() -> dict[str, str]:
+    """The caller's environment, offline, minus our own ``VLLM_MOONCAKE_*``
+    settings (vLLM warns about every unknown ``VLLM_`` variable)."""
+    prepare_offline_env()
+    return {k: v for k, v in os.environ.items() if not k.startswith("VLLM_MOONCAKE_")}
+
+
+def up(
+    spec: ClusterSpec,
+    run: str = DEFAULT_RUN,
+    timeout: float = 600.0,
+    say: Any = print,
+) -> Cluster:
+    """Start the cluster; on any failure stop what was started and raise."""
+    rd = run_dir(run)
+    state = Run(rd)
+    if state.live():
+        raise StartupError(
+            f"run {run!r} is already up ({rd / 'state.json'}); stop it first: "
+            f"python -m vllm_mooncake.deploy.local down --run {run}"
+        )
+    busy = [p for p in all_ports(spec) if port_in_use(p, HOST)]
+    if busy:
+        raise StartupError(
+            f"port(s) {busy} on {HOST} are in use; pick another --base-port "
+            f"(now {spec.base_port}) or stop what holds them"
+        )
+    _clear_logs(rd)
+    state = Run(rd)
+    t0 = time.monotonic()
+    timings: dict[str, float] = {}
+    try:
+        model = resolve_model(spec)
+        cpu = host_is_cpu(spec)
+        timings["model"] = time.monotonic() - t0
+        cpus = sorted(os.sched_getaffinity(0)) if cpu else None
+        rank_list = layout.ranks(spec, cpus)
+        cache = cache_dir()
+        env = base_env()
+        state.info = {
+            "spec": {k: v for k, v in asdict(spec).items() if k != "python"},
+            "model": model,
+            "cpu": cpu,
+            "router_url": f"http://{HOST}:{spec.ports.router}",
+            "ranks": [asdict(r) for r in rank_list],
+        }
+        state.save()
+
+        say(f"[up] run dir {rd}; model {model}; {'CPU' if cpu else 'GPU'} host")
+        boots = [
+            state.start(
+                f"bootstrap-{r.index}",
+                layout.bootstrap_argv(spec, r.bootstrap_port),
+                env,
+                f"http://{HOST}:{r.bootstrap_port}/query",
+            )
+            for r in rank_list
+            if r.bootstrap_port is not None
+        ]
+        timings["bootstrap"] = state.wait_healthy(boots, timeout=120)
+        say(f"[up] Mooncake bootstrap server(s) ready in {timings['bootstrap']:.1f} s")
+
+        servers = []
+        for r in rank_list:
+            renv = {**env, **layout.server_env(r, cpu, cache)}
+            pin = f" on CPUs {r.cpus}" if r.cpus else ""
+            say(f"[up] starting {r.name} at {r.url}{pin}")
+            servers.append(
+                state.start(
+                    r.name,
+                    layout.server_argv(spec, r, model, cpu),
+                    renv,
+                    f"{r.url}/health",
+                )
+            )
+        timings["servers"] = state.wait_healthy(servers, timeout=timeout, poll=2.0)
+        say(f"[up] {len(servers)} vLLM servers healthy in {timings['servers']:.1f} s")
+
+        router_url = f"http://{HOST}:{spec.ports.router}"
+        router = state.start(
+            "router",
+            layout.router_argv(spec, rank_list),
+            {**env, "RUST_LOG": env.get("RUST_LOG", "info")},
+            f"{router_url}/health",
+        )
+        timings["router"] = state.wait_healthy([router], timeout=120)
+        say(f"[up] vllm-router ready at {router_url} in {timings['router']:.1f} s")
+    except BaseException:
+        say("[up] failed; stopping what was started")
+        for line in state.stop():
+            say(f"[down] {line}")
+        raise
+    timings["total"] = time.monotonic() - t0
+    state.info["timings"] = timings
+    state.save()
+    return Cluster(spec, tuple(rank_list), rd, model, cpu, timings)
+
+
+def attach(run: str = DEFAULT_RUN) -> Cluster:
+    """The cluster a previous ``up`` started (for clients and tests)."""
+    state = Run(run_dir(run))
+    if not state.info:
+        raise StartupError(f"run {run!r} is not up")
+    spec_fields = dict(state.info["spec"])
+    spec_fields["server_args"] = tuple(spec_fields.get("server_args", ()))
+    spec = ClusterSpec(**spec_fields)
+    rank_list = tuple(Rank(**r) for r in state.info["ranks"])
+    return Cluster(
+        spec,
+        rank_list,
+        state.dir,
+        state.info["model"],
+        state.info["cpu"],
+        state.info.get("timings", {}),
+    )
+
+
+def down(run: str = DEFAULT_RUN, timeout: float = 30.0) -> list[str]:
+    return Run(run_dir(run)).stop(timeout)
+
+
+def _clear_logs(rd: Path) -> None:
+    logs = rd / "logs"
+    if logs.is_dir():
+        for f in logs.glob("*.log"):
+            f.unlink()
+
+
+# ---- CLI ------------------------------------------------------------------------
+def smoke(cluster: Cluster, say: Any = print) -> None:
+    from vllm_mooncake.deploy.client import complete
+
+    t = time.monotonic()
+    out = complete(cluster.router_url, "Hello from the local PD cluster:", 12)
+    say(
+        f"[up] request through the router: {len(out.token_ids)} tokens in "
+        f"{time.monotonic() - t:.2f} s, finish_reason={out.finish_reason}, "
+        f"token_ids={out.token_ids}"
+    )
+
+
+def _spec_from_args(args: argparse.Namespace) -> ClusterSpec:
+    guard_extra: dict[str, Any] = {}
+    if args.stall_alarm_steps is not None:
+        guard_extra["stall_alarm_steps"] = args.stall_alarm_steps
+    return ClusterSpec(
+        shape=args.shape,
+        base_port=args.base_port,
+        model=args.model or "",
+        kv_style=args.kv_style,
+        policy=args.policy,
+        guard_extra=guard_extra,
+        decode_blocks=args.decode_blocks,
+        prefill_blocks=args.prefill_blocks,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        server_args=tuple(args.server_arg or ()),
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m vllm_mooncake.deploy.local",
+        description="A local prefill/decode vLLM cluster with the wedge guard.",
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    u = sub.add_parser("up", help="start the cluster and wait until it serves")
+    u.add_argument("--shape", default="1p2d", choices=sorted(layout.SHAPES))
+    u.add_argument("--run", default=DEFAULT_RUN, help="run name (folder, state)")
+    u.add_argument(
+        "--base-port",
+        type=int,
+        default=int(os.environ.get(BASE_PORT_ENV, layout.DEFAULT_BASE_PORT)),
+        help=f"router port; ranks at +100.., see layout.py (${BASE_PORT_ENV})",
+    )
+    u.add_argument("--model", default=os.environ.get("MODEL", ""))
+    u.add_argument("--kv-style", default="mooncake", choices=layout.KV_STYLES)
+    u.add_argument("--policy", default="reserve+lateral")
+    u.add_argument("--stall-alarm-steps", type=int, default=None)
+    u.add_argument("--decode-blocks", type=int, default=None)
+    u.add_argument("--prefill-blocks", type=int, default=None)
+    u.add_argument("--max-model-len", type=int, default=512)
+    u.add_argument("--max-num-seqs", type=int, default=8)
+    u.add_argument(
+        "--server-arg",
+        action="append",
+        help="extra vLLM argument for every rank (repeat; e.g. --server-arg=-O0)",
+    )
+    u.add_argument("--timeout", type=float, default=600.0)
+    u.add_argument("--no-smoke", action="store_true", help="skip the test request")
+    for name in ("down", "status"):
+        s = sub.add_parser(name)
+        s.add_argument("--run", default=DEFAULT_RUN)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.cmd == "down":
+        for line in down(args.run):
+            print(f"[down] {line}")
+        return 0
+    if args.cmd == "status":
+        return _status(args.run)
+    try:
+        cluster = up(_spec_from_args(args), args.run, args.timeout)
+        if not args.no_smoke:
+            smoke(cluster)
+    except StartupError as exc:
+        print(f"[up] {exc}", file=sys.stderr)
+        return 1
+    _print_summary(cluster)
+    return 0
+
+
+def _status(run: str) -> int:
+    from vllm_mooncake.deploy.procs import http_ok
+
+    state = Run(run_dir(run))
+    if not state.procs:
+        print(f"run {run!r}: nothing recorded")
+        return 1
+    for p in state.procs:
+        members = p.members()
+        health = "healthy" if members and http_ok(p.health_url) else "-"
+        print(
+            f"{p.name:12} pid {p.pid:<7} processes {len(members):<3} {health:8} "
+            f"{p.health_url}  log {p.log}"
+        )
+    return 0
+
+
+def _print_summary(cluster: Cluster) -> None:
+    print(f"\nrouter   {cluster.router_url}  (OpenAI API: /v1/completions)")
+    for r in cluster.ranks:
+        print(f"{r.name:9} {r.url}  /metrics  log {cluster.log(r.name)}")
+    print(f"logs     {cluster.run_dir / 'logs'}")
+    print("stop     deploy/local/down.sh  (python -m vllm_mooncake.deploy.local down)")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
