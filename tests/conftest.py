@@ -10,3 +10,10 @@ prepare_offline_env()
 from vllm_mooncake.plugin import register  # noqa: E402
 
 register()
+
+
+def pytest_report_header() -> str:
+    """Name the vLLM under test (tests/test_older_vllm.py reads it)."""
+    from vllm_mooncake.versions import installed_vllm_version
+
+    return f"vLLM {installed_vllm_version()}"

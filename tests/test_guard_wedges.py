@@ -22,6 +22,7 @@ from vllm_mooncake.testing.wedges import (
     BLOCK,
     HOL,
     SEED,
+    STORE_VICTIM,
     W1,
     W2,
     Arrival,
@@ -130,15 +131,7 @@ def test_never_executed_victim_is_repromoted_as_new() -> None:
     """A store-loaded victim is re-offered its hit, loads again, is promoted
     with num_preemptions=1 and must still reach the worker as NEW (the fake
     worker raises, like vLLM's model runner, if it arrives as resumed)."""
-    scenario = WedgeScenario(
-        name="store-victim",
-        summary="victim re-admitted through a second async store load",
-        shape=SEED.shape,
-        arrivals=(
-            Arrival(0, "A", 80 * BLOCK, kv_transfer_params=store_hit(50 * BLOCK, 2)),
-            Arrival(1, "B", 50 * BLOCK, kv_transfer_params=store_hit(50 * BLOCK, 1)),
-        ),
-    )
+    scenario = STORE_VICTIM
     d = _driver(scenario, "lateral")
     play(d, scenario, max_steps=60)
     assert d.scheduler.wedge_guard.stats.total_lateral_preemptions >= 1

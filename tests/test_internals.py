@@ -46,7 +46,9 @@ def test_installed_vllm_is_supported() -> None:
     assert installed_vllm_version()[:4] in SUPPORTED_VLLM
 
 
-@pytest.mark.parametrize("version", ["0.31.0", "0.33.0", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.29.1", "0.33.0", "1.0.0"])
 def test_unsupported_versions_fail_with_the_supported_list(version: str) -> None:
-    with pytest.raises(UnsupportedVllmVersion, match=r"supports vLLM 0.30.x, 0.32.x"):
+    with pytest.raises(
+        UnsupportedVllmVersion, match=r"supports vLLM 0.30.x, 0.31.x, 0.32.x"
+    ):
         check_vllm_version(version)

@@ -20,7 +20,7 @@ from vllm_mooncake.guard.ledger import (
     WaitStatus,
 )
 from vllm_mooncake.guard.scheduler import WedgeGuardMixin
-from vllm_mooncake.testing.configs import guarded, store_hit
+from vllm_mooncake.testing.configs import guarded
 from vllm_mooncake.testing.driver import SchedulerDriver
 from vllm_mooncake.testing.invariants import (
     BLOCKS,
@@ -35,18 +35,13 @@ from vllm_mooncake.testing.invariants import (
     InvariantChecker,
     InvariantViolation,
 )
-from vllm_mooncake.testing.wedges import BLOCK, SEED, W1, W2, Arrival, WedgeScenario
-
-# A store-loaded victim that is re-admitted through a second async load
-# (tests/test_guard_wedges.py): it must reach the worker as new.
-STORE_VICTIM = WedgeScenario(
-    name="store-victim",
-    summary="victim re-admitted through a second async store load",
-    shape=SEED.shape,
-    arrivals=(
-        Arrival(0, "A", 80 * BLOCK, kv_transfer_params=store_hit(50 * BLOCK, 2)),
-        Arrival(1, "B", 50 * BLOCK, kv_transfer_params=store_hit(50 * BLOCK, 1)),
-    ),
+from vllm_mooncake.testing.wedges import (
+    SEED,
+    STORE_VICTIM,
+    W1,
+    W2,
+    WedgeScenario,
+    play,
 )
 
 
@@ -68,24 +63,13 @@ def checked_run(
     checker = InvariantChecker(
         driver, stall_bound=stall_bound, watch_laterals=watch_laterals
     )
-    pending = sorted(scenario.arrivals, key=lambda a: a.step)
-    for step in range(max_steps):
-        while pending and pending[0].step <= step:
-            a = pending.pop(0)
-            driver.add(
-                a.req_id,
-                a.prompt_len,
-                max_tokens=a.max_tokens,
-                priority=a.priority,
-                kv_transfer_params=a.kv_transfer_params,
-            )
-        if (
-            not pending
-            and not driver.scheduler.requests
-            and not driver.worker.in_flight
-        ):
-            break
-        checker.after_step(driver.step())
+    play(
+        driver,
+        scenario,
+        max_steps,
+        until=lambda d: not d.scheduler.requests and not d.worker.in_flight,
+        after_step=checker.after_step,
+    )
     checker.at_end({a.req_id: NORMAL_ENDS for a in scenario.arrivals})
     return checker.stats
 

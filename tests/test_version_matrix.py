@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mooncake.internals import INTERNALS, NEW
+from vllm_mooncake.internals import INTERNALS, LATEST
 from vllm_mooncake.source_check import (
     BROKEN,
     CHANGED,
@@ -51,7 +51,9 @@ def test_installed_release_matches_itself() -> None:
     report = check_tree(installed_source())
     assert report.ok
     assert set(_statuses(report).values()) == {OK}
-    assert len(report.findings) == sum(1 for i in INTERNALS if set(NEW) & set(i.series))
+    assert len(report.findings) == sum(
+        1 for i in INTERNALS if set(LATEST) & set(i.series)
+    )
 
 
 def test_vllm_0_33_keeps_every_internal_unchanged() -> None:

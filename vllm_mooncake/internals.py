@@ -20,7 +20,7 @@ class Internal:
     kind: str  # "method" | "attribute"
     why: str
     params: tuple[str, ...] = ()  # for methods: parameter names we pass
-    series: tuple[str, ...] = ("0.30", "0.32")  # releases whose layout uses it
+    series: tuple[str, ...] = ("0.30", "0.31", "0.32")  # releases that use it
 
     def applies_to(self, series: str) -> bool:
         return series in self.series
@@ -30,7 +30,8 @@ SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
 MULTI = "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector.MultiConnector"
 KV_MANAGER = "vllm.v1.core.kv_cache_manager.KVCacheManager"
 
-NEW = ("0.32",)  # the kv_holding_waiting layout (0.31+)
+LATEST = ("0.32",)  # the newest proven release: baseline of the source check
+NEW = ("0.31",) + LATEST  # the kv_holding_waiting layout (0.31+)
 OLD = ("0.30",)  # the skipped_waiting layout (0.19-0.30)
 
 
@@ -60,7 +61,7 @@ INTERNALS: tuple[Internal, ...] = (
     _attr(SCHEDULER, "failed_recving_kv_req_ids", "failed receives; a victim leaves"),
     _attr(SCHEDULER, "_inflight_prefills", "reservation set; a victim leaves (W2)"),
     _attr(SCHEDULER, "reset_preempted_req_ids", "tells connectors of preemptions"),
-    _attr(SCHEDULER, "_spec_decode_step_blocks", "part of the reservation", NEW),
+    _attr(SCHEDULER, "_spec_decode_step_blocks", "part of the reservation", LATEST),
     # -- hooks the guarded scheduler overrides (each calls super)
     _method(
         SCHEDULER,
@@ -81,6 +82,13 @@ INTERNALS: tuple[Internal, ...] = (
         ("request",),
         OLD,
     ),
+    _method(
+        SCHEDULER,
+        "_spec_decode_step_blocks",
+        "part of the reservation (a method in 0.31)",
+        (),
+        ("0.31",),
+    ),
     # -- steps of a lateral preemption
     _method(
         SCHEDULER,
@@ -94,7 +102,7 @@ INTERNALS: tuple[Internal, ...] = (
         "_set_kv_fetch_stage",
         "clears a victim's KV-fetch gauge",
         ("request", "stage"),
-        NEW,
+        LATEST,
     ),
     _method(
         SCHEDULER,

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from vllm_mooncake.internals import INTERNALS, NEW, Internal
+from vllm_mooncake.internals import INTERNALS, LATEST, Internal
 
 # Scheduler call sites the valve depends on: (callee, keyword it must pass).
 SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
@@ -348,10 +348,10 @@ class Report:
 def check_tree(
     tree: SourceTree,
     base: SourceTree | None = None,
-    series: Iterable[str] = NEW,
+    series: Iterable[str] = LATEST,
 ) -> Report:
     """Compare ``tree`` with ``base`` (default: the installed vLLM) for the
-    internals of ``series``' layout (default: the 0.31+ holder-queue one)."""
+    internals of ``series``' layout (default: the newest proven release's)."""
     wanted = set(series)
     items = [i for i in INTERNALS if wanted & set(i.series)]
     base_index = ClassIndex(base or installed_source())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from importlib import metadata
 
-SUPPORTED_VLLM = ("0.30", "0.32")
+SUPPORTED_VLLM = ("0.30", "0.31", "0.32")
 """Release series (major.minor) whose scheduler the guard was tested against."""
 
 

@@ -127,17 +127,32 @@ HOL = WedgeScenario(
 
 CATALOGUE: dict[str, WedgeScenario] = {s.name: s for s in (SEED, W1, W2, HOL)}
 
+STORE_VICTIM = WedgeScenario(
+    name="store-victim",
+    summary="victim re-admitted through a second async store load",
+    shape=SEED.shape,
+    arrivals=(
+        Arrival(0, "A", 80 * BLOCK, kv_transfer_params=store_hit(50 * BLOCK, 2)),
+        Arrival(1, "B", 50 * BLOCK, kv_transfer_params=store_hit(50 * BLOCK, 1)),
+    ),
+)
+"""Not a wedge of the catalogue: a store-loaded lateral victim is re-offered
+its hit and loads again; promoted with ``num_preemptions=1``, it must still
+reach the worker as NEW (it never executed)."""
+
 
 def play(
     driver: SchedulerDriver,
     scenario: WedgeScenario,
     max_steps: int,
     until: Callable[[SchedulerDriver], bool] | None = None,
+    after_step: Callable[[StepResult], None] | None = None,
 ) -> list[StepResult]:
     """Feed the arrivals at their steps and step the driver.
 
     Stops after ``max_steps`` steps, or earlier once every request has arrived
-    and ``until(driver)`` holds (default: the scheduler is empty).
+    and ``until(driver)`` holds (default: the scheduler is empty). Each step's
+    result goes to ``after_step`` (e.g. an invariant checker) if given.
     """
     pending = sorted(scenario.arrivals, key=lambda a: a.step)
     done = until or (lambda d: not d.scheduler.has_requests())
@@ -154,5 +169,8 @@ def play(
             )
         if not pending and done(driver):
             break
-        results.append(driver.step())
+        result = driver.step()
+        if after_step is not None:
+            after_step(result)
+        results.append(result)
     return results
