@@ -5,17 +5,23 @@ export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 export VLLM_MOONCAKE_CACHE ?= $(CURDIR)/.cache
 
-.PHONY: setup demo test lint typecheck unit clean
+.PHONY: setup setup-e2e demo test lint typecheck unit e2e up down clean
 
 setup:
 	@scripts/bootstrap.sh
+
+# The local PD cluster and its end-to-end tests need the transport extras
+# (nixl, mooncake-transfer-engine-non-cuda, vllm-router) and libibverbs1.
+E2E_EXTRAS := cpu,test,sim,transport
+setup-e2e:
+	@EXTRAS=$(E2E_EXTRAS) scripts/bootstrap.sh
 
 demo: setup
 	$(PY) -m vllm_mooncake.demo
 
 lint: setup
-	$(PY) -m ruff check vllm_mooncake tests
-	$(PY) -m ruff format --check vllm_mooncake tests
+	$(PY) -m ruff check vllm_mooncake tests bench
+	$(PY) -m ruff format --check vllm_mooncake tests bench
 
 typecheck: setup
 	$(PY) -m mypy
@@ -24,6 +30,16 @@ unit: setup
 	$(PY) -m pytest -q
 
 test: lint typecheck unit
+
+# A real 1P2D on 127.0.0.1 (deploy/local/); ARGS go to `deploy.local up`.
+up:
+	EXTRAS=$(E2E_EXTRAS) deploy/local/up.sh $(ARGS)
+
+down:
+	deploy/local/down.sh
+
+e2e: setup-e2e
+	$(PY) -m pytest -m e2e -v -p no:cacheprovider tests/e2e
 
 clean:
 	rm -rf .venv .cache .pytest_cache .mypy_cache

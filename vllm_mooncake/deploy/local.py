@@ -30,10 +30,11 @@ one GPU (``CUDA_VISIBLE_DEVICES``) and Mooncake uses RDMA.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -213,6 +214,41 @@ def up(
     return Cluster(spec, tuple(rank_list), rd, model, cpu, timings)
 
 
+@contextlib.contextmanager
+def reference_server(
+    spec: ClusterSpec, run: str = "reference", timeout: float = 600.0
+) -> Iterator[str]:
+    """A plain vLLM server with the cluster's model and no KV transfer.
+
+    Yields its URL (port ``spec.ports.reference``) once healthy and stops it
+    on exit. The end-to-end tests take their greedy reference outputs from it
+    before the cluster starts, so the two never compete for the cores.
+    """
+    port = spec.ports.reference
+    if port_in_use(port, HOST):
+        raise StartupError(f"port {port} on {HOST} is in use (reference server)")
+    state = Run(run_dir(run))
+    if state.live():
+        state.stop()
+    _clear_logs(state.dir)
+    state = Run(state.dir)
+    try:
+        cpu = host_is_cpu(spec)
+        model = resolve_model(spec)
+        env = {**base_env(), **layout.reference_env(cpu, cache_dir())}
+        url = f"http://{HOST}:{port}"
+        proc = state.start(
+            "reference",
+            layout.reference_argv(spec, model, port, cpu),
+            env,
+            f"{url}/health",
+        )
+        state.wait_healthy([proc], timeout=timeout, poll=2.0)
+        yield url
+    finally:
+        state.stop()
+
+
 def attach(run: str = DEFAULT_RUN) -> Cluster:
     """The cluster a previous ``up`` started (for clients and tests)."""
     state = Run(run_dir(run))
@@ -352,7 +388,12 @@ def _print_summary(cluster: Cluster) -> None:
     for r in cluster.ranks:
         print(f"{r.name:9} {r.url}  /metrics  log {cluster.log(r.name)}")
     print(f"logs     {cluster.run_dir / 'logs'}")
-    print("stop     deploy/local/down.sh  (python -m vllm_mooncake.deploy.local down)")
+    run = cluster.run_dir.name
+    opt = "" if run == DEFAULT_RUN else f" --run {run}"
+    print(
+        f"stop     deploy/local/down.sh{opt}  "
+        f"(python -m vllm_mooncake.deploy.local down{opt})"
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,207 @@
+"""The local cluster's layout rules (``vllm_mooncake/deploy/layout.py``).
+
+Pure data, no servers: ports, CPU pinning, each rank's command line,
+environment and ``kv_transfer_config``, and the router's member list.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from vllm_mooncake.check_config import check_kv_transfer_config
+from vllm_mooncake.deploy import layout
+from vllm_mooncake.deploy.layout import ClusterSpec, Rank
+from vllm_mooncake.deploy.local import all_ports
+
+
+def _arg(argv: list[str], flag: str) -> str:
+    """The value after ``flag`` (which must occur exactly once)."""
+    assert argv.count(flag) == 1, (flag, argv)
+    return argv[argv.index(flag) + 1]
+
+
+def _ktc(argv: list[str]) -> dict[str, Any]:
+    cfg: dict[str, Any] = json.loads(_arg(argv, "--kv-transfer-config"))
+    return cfg
+
+
+def _by_name(spec: ClusterSpec, cpus: list[int] | None = None) -> dict[str, Rank]:
+    return {r.name: r for r in layout.ranks(spec, cpus)}
+
+
+@pytest.mark.parametrize("shape", sorted(layout.SHAPES))
+def test_every_port_of_a_cluster_is_distinct(shape: str) -> None:
+    ports = all_ports(ClusterSpec(shape=shape, base_port=21000))
+    assert len(ports) == len(set(ports))
+    assert all(21000 <= p < 21600 for p in ports)
+
+
+def test_ports_are_offsets_from_the_base() -> None:
+    ranks = _by_name(ClusterSpec(shape="2p2d", base_port=21000))
+    assert [ranks[f"prefill-{i}"].port for i in (0, 1)] == [21100, 21101]
+    assert [ranks[f"decode-{j}"].port for j in (0, 1)] == [21200, 21201]
+    assert [ranks[f"prefill-{i}"].bootstrap_port for i in (0, 1)] == [21300, 21301]
+    assert ranks["decode-0"].bootstrap_port is None
+    assert ranks["prefill-1"].nixl_port == 21401
+    assert ranks["decode-1"].nixl_port == 21451
+    assert ranks["decode-1"].url == "http://127.0.0.1:21201"
+
+
+@pytest.mark.parametrize(
+    ("shape", "n_prefill", "n_decode"),
+    [("1p1d", 1, 1), ("1p2d", 1, 2), ("2p2d", 2, 2)],
+)
+def test_shapes_give_their_rank_counts(
+    shape: str, n_prefill: int, n_decode: int
+) -> None:
+    roles = [r.role for r in layout.ranks(ClusterSpec(shape=shape), None)]
+    assert roles == ["prefill"] * n_prefill + ["decode"] * n_decode
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"shape": "3p1d"}, {"kv_style": "tcp"}, {"base_port": 80}, {"base_port": 65500}],
+)
+def test_bad_spec_is_refused(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        ClusterSpec(**bad)
+
+
+def test_two_cores_pin_prefill_and_decodes_apart() -> None:
+    assert layout.split_cpus([0, 1], 1, 2) == ["0", "1", "1"]
+    assert layout.split_cpus([1, 0], 2, 2) == ["0", "0", "1", "1"]
+
+
+def test_enough_cores_give_disjoint_slices() -> None:
+    binds = layout.split_cpus(list(range(8)), 2, 2)
+    assert binds == ["0,1", "2,3", "4,5", "6,7"]
+    cores = [c for b in binds for c in b.split(",")]
+    assert len(cores) == len(set(cores))
+
+
+def test_one_core_is_shared_and_no_core_is_an_error() -> None:
+    assert layout.split_cpus([3], 1, 2) == ["3", "3", "3"]
+    with pytest.raises(ValueError, match="no CPUs"):
+        layout.split_cpus([], 1, 2)
+
+
+def test_no_cpu_list_means_no_pinning() -> None:
+    assert {r.cpus for r in layout.ranks(ClusterSpec(), None)} == {""}
+
+
+@pytest.mark.parametrize("name", ["prefill-0", "decode-1"])
+@pytest.mark.parametrize("cpu", [True, False])
+def test_each_rank_config_is_the_guard_over_mooncake_and_nixl(
+    name: str, cpu: bool
+) -> None:
+    spec = ClusterSpec(policy="lateral", guard_extra={"stall_alarm_steps": 50})
+    rank = _by_name(spec)[name]
+    cfg = layout.kv_transfer_config(spec, rank, cpu)
+    assert check_kv_transfer_config(cfg) is None  # the plugin's own validator
+    assert cfg["kv_connector"] == "WedgeGuardConnector"
+    extra = cfg["kv_connector_extra_config"]
+    assert extra["wedge_guard"] == {"policy": "lateral", "stall_alarm_steps": 50}
+    mooncake, nixl = extra["connectors"]
+    assert [mooncake["kv_connector"], nixl["kv_connector"]] == [
+        "MooncakeConnector",
+        "NixlConnector",
+    ]
+    # producer / consumer, never kv_both: a kv_both decode registers on the
+    # Mooncake bootstrap server and is refused.
+    role = "kv_producer" if rank.role == "prefill" else "kv_consumer"
+    assert {cfg["kv_role"], mooncake["kv_role"], nixl["kv_role"]} == {role}
+    mc_extra = mooncake["kv_connector_extra_config"]
+    assert mc_extra["mooncake_protocol"] == ("tcp" if cpu else "rdma")
+    assert ("kv_buffer_device" in nixl) is cpu
+
+
+def test_only_prefills_name_their_loopback_bootstrap_server() -> None:
+    spec = ClusterSpec(shape="2p2d", base_port=21000)
+    ranks = _by_name(spec)
+
+    def bootstrap(name: str) -> str | None:
+        cfg = layout.kv_transfer_config(spec, ranks[name], True)
+        mc = cfg["kv_connector_extra_config"]["connectors"][0]
+        addr: str | None = mc["kv_connector_extra_config"].get(
+            "bootstrap_server_address"
+        )
+        return addr
+
+    assert bootstrap("prefill-1") == "127.0.0.1:21301"
+    assert bootstrap("decode-0") is None
+
+
+def test_cpu_server_command_is_the_api_module_on_loopback() -> None:
+    spec = ClusterSpec(decode_blocks=5, server_args=("--seed", "1"))
+    ranks = _by_name(spec)
+    argv = layout.server_argv(spec, ranks["decode-0"], "/m", cpu=True)
+    # not the `vllm` CLI: it needs package metadata named "vllm"
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert _arg(argv, "--host") == "127.0.0.1"
+    assert _arg(argv, "--port") == str(ranks["decode-0"].port)
+    assert _arg(argv, "--model") == "/m"
+    assert _arg(argv, "--dtype") == "float32"
+    assert "--enforce-eager" in argv
+    assert _arg(argv, "--num-gpu-blocks-override") == "5"
+    assert argv[-2:] == ["--seed", "1"]  # user arguments last: they win
+    assert _ktc(argv)["kv_role"] == "kv_consumer"
+    prefill = layout.server_argv(spec, ranks["prefill-0"], "/m", cpu=True)
+    assert "--num-gpu-blocks-override" not in prefill  # only decodes are small
+
+
+def test_gpu_server_command_keeps_vllms_defaults() -> None:
+    spec = ClusterSpec()
+    argv = layout.server_argv(spec, _by_name(spec)["prefill-0"], "org/m", cpu=False)
+    assert "--dtype" not in argv
+    assert "--enforce-eager" not in argv
+
+
+def test_reference_server_has_no_kv_transfer() -> None:
+    spec = ClusterSpec()
+    argv = layout.reference_argv(spec, "/m", port=21600, cpu=True)
+    assert "--kv-transfer-config" not in argv
+    assert _arg(argv, "--port") == "21600"
+    rank_argv = layout.server_argv(spec, _by_name(spec)["decode-0"], "/m", cpu=True)
+    # the same model settings as the ranks, so outputs can be compared
+    for flag in ("--model", "--max-model-len", "--dtype", "--served-model-name"):
+        assert _arg(argv, flag) == _arg(rank_argv, flag)
+
+
+def test_cpu_environment_pins_and_stays_on_loopback(tmp_path: Any) -> None:
+    spec = ClusterSpec(base_port=21000)
+    rank = _by_name(spec, [0, 1])["decode-1"]
+    env = layout.server_env(rank, cpu=True, cache=tmp_path)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "21451"
+    assert env["VLLM_HOST_IP"] == env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+    assert env["UCX_NET_DEVICES"] == "lo"
+    assert env["HF_HUB_OFFLINE"] == "1"
+    assert "CUDA_VISIBLE_DEVICES" not in env
+
+
+def test_gpu_environment_gives_each_rank_its_gpu(tmp_path: Any) -> None:
+    spec = ClusterSpec(shape="2p2d")
+    gpus = [
+        layout.server_env(r, cpu=False, cache=tmp_path)["CUDA_VISIBLE_DEVICES"]
+        for r in layout.ranks(spec, None)
+    ]
+    assert gpus == ["0", "1", "2", "3"]
+
+
+@pytest.mark.parametrize("kv_style", layout.KV_STYLES)
+def test_router_lists_every_rank_with_bootstrap_ports(kv_style: str) -> None:
+    spec = ClusterSpec(shape="2p2d", base_port=21000, kv_style=kv_style)
+    argv = layout.router_argv(spec, layout.ranks(spec, None))
+    assert argv[0].endswith("vllm-router")
+    assert "--vllm-pd-disaggregation" in argv
+    assert _arg(argv, "--kv-connector") == kv_style
+    assert _arg(argv, "--port") == "21000"
+    assert _arg(argv, "--host") == "127.0.0.1"
+    text = " ".join(argv)
+    assert "--prefill http://127.0.0.1:21100 21300" in text
+    assert "--prefill http://127.0.0.1:21101 21301" in text
+    assert text.count("--decode ") == 2
+    assert "--decode http://127.0.0.1:21201" in text
