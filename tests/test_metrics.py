@@ -41,7 +41,7 @@ from vllm_mooncake import CONNECTOR_NAME
 from vllm_mooncake.guard.connector import WedgeGuardConnector
 from vllm_mooncake.guard.metrics import GUARD_STATS_KEY, GuardKVConnectorStats
 from vllm_mooncake.guard.stats import GuardStats
-from vllm_mooncake.testing.configs import guarded
+from vllm_mooncake.testing.configs import guarded, pd_transfer
 from vllm_mooncake.testing.driver import SchedulerDriver, StepResult
 from vllm_mooncake.testing.wedges import W1, play
 
@@ -317,3 +317,25 @@ def test_build_kv_connector_stats_keeps_objects_and_handles_none() -> None:
     entry = GuardKVConnectorStats.from_guard_stats(GuardStats(wedges_detected=1))
     rebuilt = WedgeGuardConnector.build_kv_connector_stats({CONNECTOR_NAME: entry})
     assert rebuilt is not None and rebuilt.data[CONNECTOR_NAME] is entry
+
+
+# ---- a contained child fault on /metrics ------------------------------------------
+def test_contained_child_fault_reaches_prometheus() -> None:
+    d = SchedulerDriver.build(W1.shape, guarded(kv_load_failure_policy="recompute"))
+    d.add("X", 64, max_tokens=2, kv_transfer_params=pd_transfer(1, raise_in="alloc"))
+    results = d.run(40)
+    assert d.finished == {"X": "length"}
+    registry = CollectorRegistry()
+    prom = prom_in(registry)(d.scheduler.vllm_config, LABELNAMES, ENGINE_LABELS)
+    for payload in reported_payloads(results):
+        prom.observe(payload, 0)
+    parsed = samples(generate_latest(registry).decode())
+    assert (
+        value(
+            parsed,
+            "vllm:kv_guard_child_errors_total",
+            child="ScriptedLoadConnector[1]",
+            hook="update_state_after_alloc",
+        )
+        == 1
+    )

@@ -5,7 +5,8 @@ prompt and output lengths, priorities, FCFS or priority scheduling, the
 full-ISL check, async scheduling, pools down to barely one request, async
 (and sync) loads through the store child and the P->D child with delays,
 full and partial failures and retries under both ``kv_load_failure_policy``
-values, deferred lookups, duplicate / late / unknown receive notices, and
+values, deferred lookups, child connectors raising in a per-request hook,
+duplicate / late / unknown receive notices, and
 aborts (at a step, of a lateral victim, of the request it admitted, in the
 middle of a stall). After every step the checker of
 ``vllm_mooncake.testing.invariants`` checks block conservation, that no
@@ -69,6 +70,8 @@ def _run(case: Case) -> int:
         event("stray receive notices")
     if result.errored:
         event("failed load ended a request")
+    if any(r.load and r.load.raise_in for r in case.requests):
+        event("a child connector raised in a hook")
     if result.wedged:
         event("valve-less policy wedged (aborted)")
     return result.laterals

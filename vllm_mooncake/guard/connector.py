@@ -36,10 +36,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
 from vllm.logger import init_logger
 
 from vllm_mooncake.guard.config import GuardConfig, validate_children
+from vllm_mooncake.guard.containment import ALLOC, ChildFault, ContainedChild
 from vllm_mooncake.guard.ledger import (
     BlockLedger,
     HolderView,
     LedgerError,
+    RecvState,
     Victim,
 )
 from vllm_mooncake.guard.metrics import (
@@ -68,6 +70,8 @@ T = TypeVar("T")
 class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
     """MultiConnector that knows who holds which KV blocks, and why."""
 
+    _connectors: list[Any]  # MultiConnector's children (contained: scheduler side)
+
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -86,6 +90,19 @@ class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
         self._is_scheduler = role == KVConnectorRole.SCHEDULER
         # The output filter_recv_notices last filtered (filter once per step).
         self._filtered_output: KVConnectorOutput | None = None
+        self._block_size = vllm_config.cache_config.block_size
+        # Loads whose owner raised before starting them (guard/containment.py):
+        # async ones are reported as failed receives, sync ones as invalid
+        # blocks, on the next update_from_output.
+        self._unstarted_recvs: set[str] = set()
+        self._unstarted_blocks: set[int] = set()
+        self._alloc_fault: ChildFault | None = None
+        self._last_lookup: tuple[str, int] = ("", 0)
+        if self._is_scheduler:
+            self._connectors = [
+                ContainedChild(child, name, self._on_child_fault)
+                for child, name in zip(self._connectors, self.router.names, strict=True)
+            ]
 
     @property
     def child_names(self) -> tuple[str, ...]:
@@ -111,6 +128,7 @@ class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         req_id = request.request_id
+        self._last_lookup = (req_id, num_computed_tokens)
         try:
             owner = self.router.owner_for(request.kv_transfer_params)
         except UnroutableRequest as exc:
@@ -153,6 +171,7 @@ class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
         """
         owner = self._requests_to_connector.get(request.request_id, -1)
         order = sorted(range(len(self._connectors)), key=lambda i: i != owner)
+        self._alloc_fault = None
         for i in order:
             tokens = num_external_tokens if i == owner else 0
             self._connectors[i].update_state_after_alloc(request, blocks, tokens)
@@ -160,6 +179,55 @@ class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
         self._ledger(
             self.ledger.on_alloc, request.request_id, num_blocks, num_external_tokens
         )
+        fault, self._alloc_fault = self._alloc_fault, None
+        if fault is not None and fault.num_external_tokens > 0:
+            self.on_load_not_started(request, blocks, num_external_tokens)
+
+    # ---- child faults (guard/containment.py) --------------------------------------
+    def _on_child_fault(self, fault: ChildFault) -> None:
+        self.stats.child_errors[f"{fault.child}|{fault.hook}"] += 1
+        if fault.hook == ALLOC:
+            self._alloc_fault = fault
+
+    def on_load_not_started(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """The owner raised before starting ``request``'s load: fail the load.
+
+        vLLM already counts the external tokens as (to be) computed. An
+        async load is reported as a failed receive on the next step (the
+        request waits in WAITING_FOR_REMOTE_KVS for exactly that); a sync
+        load's blocks are reported invalid, as a worker reports a sync load
+        that failed. Either way ``kv_load_failure_policy`` decides:
+        ``recompute`` prefills it locally, ``fail`` ends it with an error.
+        """
+        req_id = request.request_id
+        if self.ledger.recv_state(req_id) is RecvState.IN_FLIGHT:
+            self._unstarted_recvs.add(req_id)
+            return
+        looked_up, computed = self._last_lookup
+        start = computed if looked_up == req_id else request.num_computed_tokens
+        end = start + num_external_tokens
+        block_ids = blocks.get_block_ids()[0] if blocks.blocks else []
+        first, last = start // self._block_size, -(-end // self._block_size)
+        self._unstarted_blocks.update(block_ids[first:last])
+
+    def _report_unstarted_loads(self, connector_output: KVConnectorOutput) -> None:
+        if self._unstarted_recvs:
+            live = {r for r in self._unstarted_recvs if self.ledger.get(r)}
+            self._unstarted_recvs.clear()
+            if live:
+                finished = set(connector_output.finished_recving or ())
+                failed = set(connector_output.failed_recving or ())
+                connector_output.finished_recving = finished | live
+                connector_output.failed_recving = failed | live
+        if self._unstarted_blocks:
+            invalid = set(connector_output.invalid_block_ids or ())
+            connector_output.invalid_block_ids = invalid | self._unstarted_blocks
+            self._unstarted_blocks.clear()
+
+    def has_unstarted_loads(self) -> bool:
+        return bool(self._unstarted_recvs or self._unstarted_blocks)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         meta = super().build_connector_meta(scheduler_output)
@@ -199,6 +267,7 @@ class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
         if connector_output is self._filtered_output:
             return
         self._filtered_output = connector_output
+        self._report_unstarted_loads(connector_output)
         failed = connector_output.failed_recving or set()
         kept = set()
         if connector_output.finished_recving:

@@ -112,6 +112,7 @@ GAUGE_METRICS: tuple[tuple[str, str, str], ...] = (
 
 LATERAL_PREEMPTIONS_METRIC = "vllm:kv_guard_lateral_preemptions"
 DROPPED_RECV_NOTICES_METRIC = "vllm:kv_guard_dropped_recv_notices"
+CHILD_ERRORS_METRIC = "vllm:kv_guard_child_errors"
 
 
 @dataclass
@@ -173,6 +174,7 @@ class GuardKVConnectorStats(KVConnectorStats):  # type: ignore[misc]
             "Attempts exhausted": stats.attempts_exhausted,
             "Dropped recv notices": sum(stats.dropped_recv_notices.values()),
             "Unroutable requests": stats.unroutable_requests,
+            "Child connector errors": sum(stats.child_errors.values()),
             "Ledger errors": stats.ledger_errors,
             "Recv-done holders waiting": stats.recv_done_holders_waiting,
             "Blocks held by non-running": stats.blocks_held_by_non_running,
@@ -275,6 +277,16 @@ class GuardPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             "finished) or unexpected (for a request with no receive).",
             labelnames=[*labelnames, "kind"],
         )
+        self._child_errors = self._counter_cls(
+            name=CHILD_ERRORS_METRIC,
+            documentation="Number of exceptions a child KV connector raised in a "
+            "per-request scheduler hook that the KV wedge guard contained "
+            "instead of letting them end the engine. child: the connector; "
+            "hook: get_num_new_matched_tokens (prefilled locally), "
+            "update_state_after_alloc (reported as a failed load) or "
+            "request_finished (blocks freed).",
+            labelnames=[*labelnames, "child", "hook"],
+        )
         # The kinds are known: expose them at 0 from the start.
         for labelvalues in per_engine_labelvalues.values():
             for kind in DROPPED_KINDS:
@@ -294,6 +306,10 @@ class GuardPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
         for kind, n in stats.dropped_recv_notices.items():
             if n > 0:
                 self._dropped_recv_notices.labels(*labelvalues, kind).inc(n)
+        for key, n in stats.child_errors.items():
+            child, _, hook = key.partition("|")
+            if n > 0:
+                self._child_errors.labels(*labelvalues, child, hook).inc(n)
         if report.gauges_changed:
             for attr, per_engine in self._gauges.items():
                 per_engine[engine_idx].set(getattr(stats, attr))

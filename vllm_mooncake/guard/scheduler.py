@@ -40,6 +40,7 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreEventType
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_mooncake.guard.config import GuardConfigError
@@ -235,8 +236,12 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: Any
     ) -> Any:
-        """Filter receive notices before vLLM reads ``failed_recving``."""
+        """Filter receive notices before vLLM reads ``failed_recving``, and
+        report loads a raising child never started (guard/containment.py)."""
         kv_output = getattr(model_runner_output, "kv_connector_output", None)
+        if kv_output is None and self.wedge_guard.has_unstarted_loads():
+            kv_output = KVConnectorOutput()
+            model_runner_output.kv_connector_output = kv_output
         if kv_output is not None:
             self.wedge_guard.filter_recv_notices(kv_output)
         return super().update_from_output(scheduler_output, model_runner_output)

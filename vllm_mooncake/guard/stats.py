@@ -24,6 +24,8 @@ class GuardStats:
     unroutable_requests: int = 0
     # ledger inconsistencies logged (raised instead when strict)
     ledger_errors: int = 0
+    # "child|hook" -> raises of a child connector the guard contained
+    child_errors: Counter[str] = field(default_factory=Counter)
     # gauges, as of the last step
     recv_done_holders_waiting: int = 0
     blocks_held_by_non_running: int = 0
@@ -54,6 +56,7 @@ class GuardStats:
             for (reason, owner), n in self.lateral_preemptions.items()
         }
         out["dropped_recv_notices"] = dict(self.dropped_recv_notices)
+        out["child_errors"] = dict(self.child_errors)
         return out
 
     @classmethod
@@ -65,6 +68,7 @@ class GuardStats:
             reason, _, owner = key.partition("|")
             stats.lateral_preemptions[(reason, owner)] = int(n)
         stats.dropped_recv_notices.update(data.get("dropped_recv_notices", {}))
+        stats.child_errors.update(data.get("child_errors", {}))
         return stats
 
     def delta_since(self, earlier: GuardStats) -> GuardStats:
@@ -76,6 +80,7 @@ class GuardStats:
         out.dropped_recv_notices = (
             self.dropped_recv_notices - earlier.dropped_recv_notices
         )
+        out.child_errors = self.child_errors - earlier.child_errors
         return out
 
     def merge(self, other: GuardStats) -> GuardStats:
@@ -87,9 +92,10 @@ class GuardStats:
         out.dropped_recv_notices = (
             self.dropped_recv_notices + other.dropped_recv_notices
         )
+        out.child_errors = self.child_errors + other.child_errors
         return out
 
     def is_empty(self) -> bool:
         return not any(getattr(self, n) for n in self.COUNTERS) and not (
-            self.lateral_preemptions or self.dropped_recv_notices
+            self.lateral_preemptions or self.dropped_recv_notices or self.child_errors
         )

@@ -65,6 +65,7 @@ class Load:
     reoffer: bool = False
     defer_lookups: int = 0
     is_async: bool = True
+    raise_in: str = ""  # a buggy child: "lookup" | "alloc" | "finished"
 
     def params(self) -> dict[str, Any]:
         key = STORE_KEY if self.child == "store" else PD_KEY
@@ -78,12 +79,15 @@ class Load:
                 "failing_attempts": self.failing_attempts,
                 "reoffer": self.reoffer,
                 "defer_lookups": self.defer_lookups,
+                "raise_in": self.raise_in,
             }
         }
 
     @property
     def may_fail(self) -> bool:
-        return self.outcome != "ok" and self.failing_attempts != 0
+        """Its load may fail: scripted so, or its child raises starting it."""
+        scripted = self.outcome != "ok" and self.failing_attempts != 0
+        return scripted or self.raise_in == "alloc"
 
 
 @dataclass(frozen=True)
@@ -263,6 +267,7 @@ def draw_load(
         ("ok", "fail", "partial"), (80, 10, 10) if burst else (60, 20, 20)
     )
     done_after = d.integer(0, 4)
+    raise_in = draw_raise_in(d)
     if kind == "pd":  # NIXL-like: the whole prompt, once
         tokens = d.integer(1, prompt_len) if d.chance(20) else -1
         span = prompt_len if tokens < 0 else tokens
@@ -273,6 +278,7 @@ def draw_load(
             outcome=outcome,
             valid_tokens=d.integer(0, span) if outcome == "partial" else 0,
             failing_attempts=d.choice((-1, 0, 1)) if outcome != "ok" else -1,
+            raise_in=raise_in,
         )
     # A store never offers the last prompt token (vLLM must compute one):
     # offered, a fully hit request would look new after its load and reload
@@ -284,6 +290,7 @@ def draw_load(
         # load fails under async scheduling (with or without the guard; see
         # bench/RESULTS.md), so a sync load there always succeeds.
         outcome = "ok"
+        raise_in = "" if raise_in == "alloc" else raise_in
     reoffer = not d.chance(20)
     # A re-offered hit that always fails would reload forever: bound it.
     failing = d.integer(0, 2) if reoffer else d.choice((-1, 0, 1))
@@ -297,7 +304,15 @@ def draw_load(
         reoffer=reoffer,
         defer_lookups=d.integer(1, 2) if d.chance(15) else 0,
         is_async=is_async,
+        raise_in=raise_in,
     )
+
+
+def draw_raise_in(d: Draw) -> str:
+    """Now and then a child connector that raises in a per-request hook."""
+    if not d.chance(6):
+        return ""
+    return d.choice(("lookup", "alloc", "finished"))
 
 
 def draw_request(

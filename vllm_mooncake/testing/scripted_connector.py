@@ -24,9 +24,11 @@ Request life cycle, as scripted by ``kv_transfer_params[<params_key>]``::
      "defer_lookups": 0,    # lookups answered "ask again later" (None) first
      "reoffer": false,      # offer the hit again after a preemption
                             # (store-like); a P->D transfer is one-shot
-     "delay_free": false}   # producer side of a P->D transfer (NIXL on P):
+     "delay_free": false,   # producer side of a P->D transfer (NIXL on P):
                             # when the request finishes, keep its blocks until
                             # the worker reports it in finished_sending
+     "raise_in": ""}        # a buggy child: raise in "lookup" (every one),
+                            # "alloc" (the first load) or "finished"
 
 1. lookup   -- ``get_num_new_matched_tokens`` offers the scripted tokens.
 2. alloc    -- ``update_state_after_alloc`` records a load order with the
@@ -65,6 +67,13 @@ ReqId = str
 
 DEFAULT_PARAMS_KEY = "scripted_load"
 OUTCOMES = ("ok", "fail", "partial")
+# Hooks a script can make the connector raise in (a buggy child connector):
+# every lookup, the first load's update_state_after_alloc, request_finished.
+RAISE_HOOKS = ("", "lookup", "alloc", "finished")
+
+
+class ScriptedChildFault(RuntimeError):
+    """Raised by the scripted connector where its script says (``raise_in``)."""
 
 
 class ScriptError(ValueError):
@@ -85,6 +94,7 @@ class LoadScript:
     done_after_s: float | None = None
     delay_free: bool = False
     defer_lookups: int = 0
+    raise_in: str = ""
 
     def outcome_of_attempt(self, attempt: int) -> str:
         """Outcome of the ``attempt``-th load (0-based) of this request."""
@@ -107,6 +117,7 @@ class LoadScript:
             "defer_lookups",
             "done_after_s",
             "delay_free",
+            "raise_in",
         }
         unknown = set(raw) - known
         if unknown:
@@ -124,7 +135,12 @@ class LoadScript:
             defer_lookups=int(raw.get("defer_lookups", 0)),
             done_after_s=_optional_seconds(raw.get("done_after_s"), where),
             delay_free=bool(raw.get("delay_free", False)),
+            raise_in=str(raw.get("raise_in", "")),
         )
+        if script.raise_in not in RAISE_HOOKS:
+            raise ScriptError(
+                f"{where}.raise_in: {script.raise_in!r} is not one of {RAISE_HOOKS}"
+            )
         if script.outcome not in OUTCOMES:
             raise ScriptError(
                 f"{where}.outcome: {script.outcome!r} is not one of {OUTCOMES}"
@@ -226,6 +242,8 @@ class ScriptedLoadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         script = self.script_for(request)
         if script is None:
             return 0, False
+        if script.raise_in == "lookup":
+            raise ScriptedChildFault(f"{request.request_id}: scripted lookup fault")
         seen = self._lookups_seen.get(request.request_id, 0)
         self._lookups_seen[request.request_id] = seen + 1
         if seen < script.defer_lookups:
@@ -252,6 +270,8 @@ class ScriptedLoadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert script is not None, f"{req_id}: allocated a load it never offered"
         attempt = self._attempts.get(req_id, 0)
         self._attempts[req_id] = attempt + 1
+        if script.raise_in == "alloc" and attempt == 0:
+            raise ScriptedChildFault(f"{req_id}: scripted fault starting its load")
         self._orders[req_id] = LoadOrder(
             req_id=req_id,
             block_ids=list(blocks.get_block_ids()[0]),
@@ -277,6 +297,8 @@ class ScriptedLoadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._lookup_start.pop(request.request_id, None)
         self._orders.pop(request.request_id, None)
         script = self.script_for(request)
+        if script is not None and script.raise_in == "finished":
+            raise ScriptedChildFault(f"{request.request_id}: scripted finish fault")
         # A producer keeps its blocks until the consumer has pulled them.
         return bool(script and script.delay_free and block_ids), None
 

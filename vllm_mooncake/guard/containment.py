@@ -1,0 +1,136 @@
+"""Contain a child connector that raises inside a per-request scheduler hook.
+
+vLLM calls a KV connector's scheduler-side hooks inside ``schedule()`` and
+``update_from_output()``. An exception there ends the engine core: every
+request on the rank is lost, and the router waits for them until it times
+out. MultiConnector adds nothing: one raising child takes the other down
+with it. The guard wraps each child (on the scheduler side only) in a
+:class:`ContainedChild` that turns a raise in a *per-request* hook into the
+outcome vLLM already knows how to handle for that request alone:
+
+=============================  ==============================================
+hook that raised               what the request gets
+=============================  ==============================================
+``get_num_new_matched_tokens``  no external hit: its prompt is computed locally
+``update_state_after_alloc``    (the owner, with tokens to load) its load never
+                                started: reported as a *failed load* on the
+                                next step, so ``kv_load_failure_policy``
+                                applies (``recompute`` or ``fail``) -- see
+                                ``WedgeGuardConnector.on_load_not_started``
+``request_finished``            no delayed free, no transfer params: its
+                                blocks are freed as for any finished request
+=============================  ==============================================
+
+Each fault is logged (ERROR, with the traceback), counted by child and hook
+(``vllm:kv_guard_child_errors_total``) and reported to the guard. Step-wide
+hooks (``build_connector_meta``, ``update_connector_output``) and the worker
+side are not wrapped: a fault there has no single request to give it to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+LOOKUP = "get_num_new_matched_tokens"
+ALLOC = "update_state_after_alloc"
+FINISHED = "request_finished"
+
+
+@dataclass(frozen=True)
+class ChildFault:
+    """One contained raise: which child, in which hook, for which request."""
+
+    child: str
+    hook: str
+    req_id: str
+    num_external_tokens: int = 0  # for ALLOC: the tokens it was to load
+
+
+class ContainedChild:
+    """A child connector whose per-request scheduler hooks cannot raise.
+
+    Everything else is forwarded unchanged, ``__class__`` included, so
+    MultiConnector's per-class bookkeeping (stats keys, metrics) and
+    ``isinstance`` checks see the child itself.
+    """
+
+    def __init__(
+        self, child: Any, name: str, on_fault: Callable[[ChildFault], None]
+    ) -> None:
+        self._child = child
+        self._name = name
+        self._on_fault = on_fault
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # noqa: D105 - proxies the child's class
+        return type(self._child)
+
+    @property
+    def wrapped(self) -> Any:
+        return self._child
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._child, name)
+
+    def _contain(self, hook: str, request: Request, tokens: int = 0) -> None:
+        logger.exception(
+            "KV connector %s raised in %s for request %s; contained by the wedge guard",
+            self._name,
+            hook,
+            request.request_id,
+        )
+        self._on_fault(ChildFault(self._name, hook, request.request_id, tokens))
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        try:
+            result: tuple[int | None, bool] = self._child.get_num_new_matched_tokens(
+                request, num_computed_tokens
+            )
+        except Exception:
+            self._contain(LOOKUP, request)
+            return 0, False
+        return result
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        try:
+            self._child.update_state_after_alloc(request, blocks, num_external_tokens)
+        except Exception:
+            self._contain(ALLOC, request, num_external_tokens)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        try:
+            result: tuple[bool, dict[str, Any] | None] = self._child.request_finished(
+                request, block_ids
+            )
+        except Exception:
+            self._contain(FINISHED, request)
+            return False, None
+        return result
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        try:
+            result: tuple[bool, dict[str, Any] | None] = (
+                self._child.request_finished_all_groups(request, block_ids)
+            )
+        except Exception:
+            self._contain(FINISHED, request)
+            return False, None
+        return result
