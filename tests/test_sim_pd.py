@@ -17,13 +17,14 @@ from vllm_mooncake.sim.compare import format_table
 from vllm_mooncake.sim.cost import CostModel
 from vllm_mooncake.sim.plot import plot_results
 from vllm_mooncake.sim.results import RunResult, without_wall
-from vllm_mooncake.sim.runner import run_scenario
+from vllm_mooncake.sim.runner import run_scenario, simulate
 from vllm_mooncake.sim.scenario import load_scenario, parse_scenario
 from vllm_mooncake.testing.configs import STORE_KEY, scripted_multi, scripted_single
 from vllm_mooncake.testing.driver import EngineShape, SchedulerDriver
 from vllm_mooncake.testing.leaks import assert_scheduler_empty
 
 SEED = Path(__file__).resolve().parents[1] / "scenarios" / "seed_1p2d_256.yaml"
+SEED_SINGLE = SEED.with_name("seed_single.yaml")
 
 
 def test_timed_receive_lands_in_the_step_that_covers_its_deadline() -> None:
@@ -158,3 +159,37 @@ def test_compare_table_plot_and_check(
     }
     assert format_table(results).count("\n") == len(results) + 1
     assert plot_results(results, tmp_path / "again.png").exists()
+
+
+def test_on_wedge_can_open_the_valve_and_the_run_goes_on() -> None:
+    """The recovery benchmark's hook: a formed wedge, then the valve opened."""
+    scenario = load_scenario(SEED_SINGLE).with_policy("no-reserve")
+    seen: list[tuple[str, int]] = []
+
+    def open_valve(cluster: Any, rank: Any) -> bool:
+        seen.append((rank.name, rank.stalls.streak))
+        guard = rank.scheduler.wedge_guard
+        guard.guard_config = guard.guard_config.with_policy("lateral")
+        return True
+
+    result, cluster = simulate(scenario, on_wedge=open_valve)
+    assert seen == [("rank0", scenario.limits.wedge_steps)]
+    assert result.outcome == "finished" and result.finished == result.total
+    assert result.lateral_preemptions == 1
+    assert result.max_stall_steps == scenario.limits.wedge_steps
+    assert_scheduler_empty(cluster.ranks[0].scheduler)
+
+
+def test_on_wedge_returning_false_stops_the_run_as_without_it() -> None:
+    scenario = load_scenario(SEED_SINGLE).with_policy("no-reserve")
+    calls: list[str] = []
+
+    def give_up(cluster: Any, rank: Any) -> bool:
+        calls.append(rank.name)
+        return False
+
+    with_hook, _ = simulate(scenario, on_wedge=give_up)
+    assert calls == ["rank0"]
+    assert without_wall(with_hook.to_dict()) == without_wall(
+        run_scenario(scenario).to_dict()
+    )

@@ -52,6 +52,10 @@ from vllm_mooncake.testing.configs import PD_KEY
 
 # progress(now_s, completed, total, steps)
 ProgressFn = Callable[[float, int, int, int], None]
+# on_wedge(cluster, rank): ``rank`` just wedged. True lets the run go on (the
+# callback changed something, e.g. opened the guard's valve; the rank's wedge
+# count restarts), False stops it there as usual.
+WedgeFn = Callable[["Cluster", Rank], bool]
 PROGRESS_EVERY = 200  # steps between progress calls
 
 
@@ -73,11 +77,16 @@ class Cluster:
     """Ranks of one scenario under one policy; :meth:`run` plays the workload."""
 
     def __init__(
-        self, scenario: Scenario, workload: Workload, progress: ProgressFn | None = None
+        self,
+        scenario: Scenario,
+        workload: Workload,
+        progress: ProgressFn | None = None,
+        on_wedge: WedgeFn | None = None,
     ) -> None:
         self.scenario = scenario
         self.workload = workload
         self.progress = progress
+        self.on_wedge = on_wedge
         self.requests = {r.req_id: r for r in workload.requests}
         self.prefill, self.decode = self._build_ranks()
         self.ranks = self.prefill + self.decode
@@ -160,7 +169,7 @@ class Cluster:
             self.now = max(self.now, rank.clock)
             self._step(rank)
             steps += 1
-            if rank.stalls.wedged:
+            if rank.stalls.wedged and not self._resume_after_wedge(rank):
                 self.now = max(self.now, rank.last_end)
                 return "wedged"
             if steps >= limits.max_steps:
@@ -169,6 +178,13 @@ class Cluster:
                 self.progress(
                     self.now, self.recorder.num_completed, self.recorder.total, steps
                 )
+
+    def _resume_after_wedge(self, rank: Rank) -> bool:
+        """Ask ``on_wedge`` whether the run goes on past ``rank``'s wedge."""
+        if self.on_wedge is None or not self.on_wedge(self, rank):
+            return False
+        rank.stalls.restart_wedge_count()
+        return True
 
     def _next_rank(self) -> Rank | None:
         best: Rank | None = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_mooncake.sim.cluster import Cluster, ProgressFn
+from vllm_mooncake.sim.cluster import Cluster, ProgressFn, WedgeFn
 from vllm_mooncake.sim.results import RunResult
 from vllm_mooncake.sim.scenario import Scenario
 from vllm_mooncake.sim.workload import build_workload
@@ -18,11 +18,23 @@ def run_scenario(
     scenario: Scenario, scale: float = 1.0, progress: ProgressFn | None = None
 ) -> RunResult:
     """Simulate ``scenario`` (already overridden: policy, seed) at ``scale``."""
+    result, _ = simulate(scenario, scale, progress)
+    return result
+
+
+def simulate(
+    scenario: Scenario,
+    scale: float = 1.0,
+    progress: ProgressFn | None = None,
+    on_wedge: WedgeFn | None = None,
+) -> tuple[RunResult, Cluster]:
+    """:func:`run_scenario`, also returning the cluster (its ranks' schedulers)
+    for inspection after the run; ``on_wedge`` as :class:`Cluster` takes it."""
     from vllm_mooncake.plugin import register
 
     register()  # what vLLM does at start-up: the guard connector by name
     scenario = scenario.scaled(scale)
-    cluster = Cluster(scenario, build_workload(scenario), progress)
+    cluster = Cluster(scenario, build_workload(scenario), progress, on_wedge)
     header: dict[str, object] = {
         "scenario": scenario.name,
         "source": scenario.source,
@@ -32,4 +44,4 @@ def run_scenario(
         "seed": scenario.seed,
         "scale": scale,
     }
-    return cluster.run(header)
+    return cluster.run(header), cluster

@@ -62,6 +62,10 @@ class StallTracker:
             self._close()
             self.wedge_streak = 0
 
+    def restart_wedge_count(self) -> None:
+        """Count the wedge anew (the stall itself goes on being measured)."""
+        self.wedge_streak = 0
+
     def finish(self) -> None:
         """Close the stall in progress at the end of the run."""
         self._close()
