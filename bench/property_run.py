@@ -71,6 +71,9 @@ def _run_chunk(job: tuple[int, int, int, float, int]) -> dict[str, Any]:
         seen["cases with stray receive notices"] += bool(result.notices_injected)
         seen["cases where a failed load ended a request"] += bool(result.errored)
         seen["cases wedged without the valve (aborted)"] += result.wedged
+        seen["cases with a child connector raising in a hook"] += any(
+            r.load is not None and bool(r.load.raise_in) for r in case.requests
+        )
     return {"ran": ran, "seen": seen, "failures": failures}
 
 

@@ -169,3 +169,24 @@ def test_ledger_module_imports_no_vllm() -> None:
         for a in n.names
     }
     assert not any(name.startswith("vllm") for name in imported), imported
+
+
+def test_scheduled_again_updates_runners_and_hands_back_the_rest() -> None:
+    """The per-step fast path takes progress and new blocks of requests that
+    ran before; one that never executed or has a receive state goes back to
+    the full check (which raises for a receive in flight)."""
+    ledger = _ledger_with("ran", "loaded", "inflight")
+    ledger.on_lookup("ran", None, 0, False)
+    ledger.on_alloc("ran", 2, 0)
+    ledger.on_scheduled("ran", 32, 2)
+    _loaded(ledger, "loaded")
+    _loaded(ledger, "inflight", done=False)
+    full = ledger.on_scheduled_again(
+        ["ran", "loaded", "inflight", "gone"], [33, 160, 160, 5], [1, 0, 0, 0]
+    )
+    entry = ledger.get("ran")
+    assert entry is not None
+    assert (entry.computed_tokens, entry.num_blocks) == (33, 3)
+    assert full == [("loaded", 160, 10), ("inflight", 160, 10)]
+    with pytest.raises(LedgerError, match="in flight"):
+        ledger.on_scheduled(*full[1])

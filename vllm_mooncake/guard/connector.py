@@ -241,15 +241,12 @@ class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
                 len(new.block_ids[0]) if new.block_ids else 0,
             )
         cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            entry = self.ledger.get(req_id)
-            blocks = entry.num_blocks if entry else 0
-            new_ids = cached.new_block_ids[i] if cached.new_block_ids else None
-            if new_ids:
-                blocks += len(new_ids[0])
-            self._ledger(
-                self.ledger.on_scheduled, req_id, cached.num_computed_tokens[i], blocks
-            )
+        new_ids = cached.new_block_ids or [None] * len(cached.req_ids)
+        added = [len(ids[0]) if ids else 0 for ids in new_ids]
+        for req_id, computed, blocks in self.ledger.on_scheduled_again(
+            cached.req_ids, cached.num_computed_tokens, added
+        ):
+            self._ledger(self.ledger.on_scheduled, req_id, computed, blocks)
         return meta
 
     def filter_recv_notices(self, connector_output: KVConnectorOutput) -> None:

@@ -30,7 +30,7 @@ request being admitted. Least progressed first, ties by latest arrival.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 ReqId = str
@@ -192,6 +192,35 @@ class BlockLedger:
         entry.computed_tokens = computed_tokens
         entry.num_blocks = num_blocks
         entry.recv = RecvState.NONE
+
+    def on_scheduled_again(
+        self,
+        req_ids: Sequence[ReqId],
+        computed_tokens: Sequence[int],
+        added_blocks: Sequence[int],
+    ) -> list[tuple[ReqId, int, int]]:
+        """:meth:`on_scheduled` for requests scheduled in an earlier step too.
+
+        The hot path (every running request, every step): an entry that has
+        executed and has no receive state only takes its progress and new
+        blocks. The others are returned as ``(req_id, computed_tokens,
+        num_blocks)`` for :meth:`on_scheduled`, which checks them.
+        """
+        entries = self._entries
+        none = RecvState.NONE
+        full_check = []
+        for req_id, tokens, added in zip(
+            req_ids, computed_tokens, added_blocks, strict=True
+        ):
+            entry = entries.get(req_id)
+            if entry is None:
+                continue
+            if entry.executed and entry.recv is none:
+                entry.computed_tokens = tokens
+                entry.num_blocks += added
+            else:
+                full_check.append((req_id, tokens, entry.num_blocks + added))
+        return full_check
 
     def accept_recv_complete(self, req_id: ReqId, failed: bool) -> bool:
         """Record a receive completion; False means drop the notice.
