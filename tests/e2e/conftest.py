@@ -7,16 +7,17 @@ extra (nixl, mooncake-transfer-engine-non-cuda, vllm-router) and libibverbs1
 
 Order of a session: a plain single vLLM server (no KV transfer) starts,
 answers :data:`PROMPTS` greedily and stops (:func:`reference_outputs`); then
-the cluster starts (``deploy.local.up``, run name ``e2e``, its own ports),
-serves every test, and is stopped at the end, checking that no process of it
-is left. The two never run at once, so they do not compete for the cores.
+the cluster starts (``deploy.local.up``, run name ``e2e-<style>``, its own
+ports), serves every test, and is stopped, checking that no process of it is
+left; then the same again with the other KV style (Mooncake, then NIXL).
+No two of them run at once, so they do not compete for the cores.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -119,14 +120,21 @@ def reference_outputs(spec: layout.ClusterSpec) -> list[Reference]:
     ]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module", params=layout.KV_STYLES)
 def cluster(
-    spec: layout.ClusterSpec, reference_outputs: list[Reference]
+    request: pytest.FixtureRequest,
+    spec: layout.ClusterSpec,
+    reference_outputs: list[Reference],
 ) -> Iterator[Cluster]:
+    """The cluster, once per KV style: ``mooncake`` (the prefill's KV moves
+    over Mooncake's transfer engine) and ``nixl`` (over NIXL/UCX). pytest
+    runs every test of a style, stops that cluster, then starts the next."""
     # reference_outputs: the reference server has come and gone before this.
-    if Run(run_dir(RUN)).live():
-        down(RUN)  # a previous session's leftovers (e.g. a killed pytest)
-    started = up(spec, run=RUN, timeout=900)
+    style = str(request.param)
+    run = f"{RUN}-{style}"
+    if Run(run_dir(run)).live():
+        down(run)  # a previous session's leftovers (e.g. a killed pytest)
+    started = up(replace(spec, kv_style=style), run=run, timeout=900)
     recorded = Run(started.run_dir).procs
     try:
         yield started

@@ -2,10 +2,12 @@
 
 Three vLLM CPU servers (one prefill, two decodes, each
 ``WedgeGuardConnector`` over [MooncakeConnector, NixlConnector] with the
-guarded scheduler) behind ``vllm-router --vllm-pd-disaggregation
---kv-connector mooncake``; the KV of every prompt moves from the prefill to a
-decode over Mooncake's transfer engine (TCP on loopback). Nothing is faked:
-the only stand-in is the tiny random model (``deploy/tiny_model.py``).
+guarded scheduler) behind ``vllm-router --vllm-pd-disaggregation``. Every
+test runs twice, once per KV style: ``mooncake`` (the router sends Mooncake
+``transfer_id`` / ``remote_bootstrap_addr`` params; the guard gives the load
+to the Mooncake child, whose transfer engine moves the KV over TCP on
+loopback) and ``nixl`` (``remote_block_ids``; NIXL over UCX). Nothing is
+faked: the only stand-in is the tiny random model (``deploy/tiny_model.py``).
 
 The burst does not form a wedge in these servers, and the test does not
 pretend it does. Every P->D request on a decode receives its whole prompt,
