@@ -113,3 +113,23 @@ def test_a_recomputed_load_that_never_started_prefills_its_whole_prompt() -> Non
     # Prompt prefilled locally, then one decode step (the first token comes
     # from the prefill).
     assert scheduled == PROMPT + 1
+
+
+def test_unstarted_load_is_reported_through_an_empty_output_without_mutating_it() -> (
+    None
+):
+    """With nothing scheduled, vLLM passes its shared EMPTY_MODEL_RUNNER_OUTPUT
+    to update_from_output; the guard reports the failed load on a copy."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+    d = SchedulerDriver.build(
+        EngineShape(), guarded(kv_load_failure_policy="recompute")
+    )
+    d.add("faulty", PROMPT, max_tokens=2, kv_transfer_params=_faulty("alloc"))
+    sched = d.scheduler
+    output = sched.schedule()
+    assert sched.requests["faulty"].status.name == "WAITING_FOR_REMOTE_KVS"
+    sched.update_from_output(output, EMPTY_MODEL_RUNNER_OUTPUT)
+    assert EMPTY_MODEL_RUNNER_OUTPUT.kv_connector_output is None
+    assert "faulty" in sched.finished_recving_kv_req_ids
+    assert "faulty" in sched.failed_recving_kv_req_ids

@@ -34,6 +34,7 @@ never-executed victims), each calling ``super()``.
 from __future__ import annotations
 
 import time
+from copy import copy
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
@@ -240,7 +241,9 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         report loads a raising child never started (guard/containment.py)."""
         kv_output = getattr(model_runner_output, "kv_connector_output", None)
         if kv_output is None and self.wedge_guard.has_unstarted_loads():
+            # A copy: the output may be vLLM's shared EMPTY_MODEL_RUNNER_OUTPUT.
             kv_output = KVConnectorOutput()
+            model_runner_output = copy(model_runner_output)
             model_runner_output.kv_connector_output = kv_output
         if kv_output is not None:
             self.wedge_guard.filter_recv_notices(kv_output)
