@@ -18,6 +18,20 @@ Reading path:
 __version__ = "0.1.0"
 
 CONNECTOR_NAME = "WedgeGuardConnector"
+CONNECTOR_MODULE = "vllm_mooncake.guard.connector"
+
+
+def names_guard_connector(kv_connector: object, module_path: object) -> bool:
+    """Whether a ``kv_transfer_config`` (or a child entry) names the guard:
+    by its registered name, or by ``kv_connector_module_path``."""
+    return kv_connector == CONNECTOR_NAME or module_path == CONNECTOR_MODULE
+
+
 """The name users put in ``kv_transfer_config["kv_connector"]``."""
 
-__all__ = ["CONNECTOR_NAME", "__version__"]
+__all__ = [
+    "CONNECTOR_MODULE",
+    "CONNECTOR_NAME",
+    "__version__",
+    "names_guard_connector",
+]

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_mooncake import CONNECTOR_NAME
+from vllm_mooncake import CONNECTOR_NAME, names_guard_connector
 
 
 class ConfigCheckError(ValueError):
@@ -54,7 +54,7 @@ def check(raw: Any) -> str:
         check_scheduler_cls,
         validate_children,
     )
-    from vllm_mooncake.plugin import CONNECTOR_MODULE, register
+    from vllm_mooncake.plugin import register
     from vllm_mooncake.versions import check_vllm_version
 
     if not isinstance(raw, Mapping):
@@ -68,10 +68,7 @@ def check(raw: Any) -> str:
             f"kv_transfer_config: expected a JSON object, got {ktc!r}"
         )
     name = ktc.get("kv_connector")
-    if (
-        name != CONNECTOR_NAME
-        and ktc.get("kv_connector_module_path") != CONNECTOR_MODULE
-    ):
+    if not names_guard_connector(name, ktc.get("kv_connector_module_path")):
         raise ConfigCheckError(
             f"kv_transfer_config.kv_connector: {name!r} is not the guard; set it to "
             f"{CONNECTOR_NAME!r} (this command checks guard configurations)"

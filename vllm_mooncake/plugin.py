@@ -22,9 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_mooncake import CONNECTOR_NAME
+from vllm_mooncake import CONNECTOR_MODULE, CONNECTOR_NAME, names_guard_connector
 
-CONNECTOR_MODULE = "vllm_mooncake.guard.connector"
 SCHEDULER_MODULE = "vllm_mooncake.guard.scheduler"
 SYNC_SCHEDULER = f"{SCHEDULER_MODULE}.WedgeGuardScheduler"
 ASYNC_SCHEDULER = f"{SCHEDULER_MODULE}.WedgeGuardAsyncScheduler"
@@ -62,9 +61,7 @@ def uses_guard_connector(vllm_config: Any) -> bool:
     ktc = getattr(vllm_config, "kv_transfer_config", None)
     if ktc is None:
         return False
-    if ktc.kv_connector == CONNECTOR_NAME:
-        return True
-    return bool(ktc.kv_connector_module_path == CONNECTOR_MODULE)
+    return names_guard_connector(ktc.kv_connector, ktc.kv_connector_module_path)
 
 
 def validate_guard_config(vllm_config: Any) -> None:

@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_mooncake import names_guard_connector
+
 GUARD_SECTION = "wedge_guard"
 FIELD_PREFIX = f"kv_transfer_config.kv_connector_extra_config.{GUARD_SECTION}"
 
@@ -189,7 +191,6 @@ def validate_children(extra: Mapping[str, Any] | None) -> list[Mapping[str, Any]
 
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-GUARD_MODULE = "vllm_mooncake.guard.connector"
 
 
 def _check_child_fields(child: Mapping[str, Any], where: str) -> None:
@@ -215,7 +216,7 @@ def _check_child_fields(child: Mapping[str, Any], where: str) -> None:
 
 def _check_child_connector(name: str, module: str | None, where: str) -> None:
     """The child names a connector vLLM can build: registered, or importable."""
-    if name == "WedgeGuardConnector" or module == GUARD_MODULE:
+    if names_guard_connector(name, module):
         raise GuardConfigError(
             f"{where}.kv_connector: the guard cannot be its own child; list the "
             "transports it wraps, e.g. MooncakeConnector and NixlConnector"
