@@ -17,7 +17,7 @@ setup-e2e:
 	@EXTRAS=$(E2E_EXTRAS) scripts/bootstrap.sh
 
 demo: setup
-	$(PY) -m vllm_mooncake.demo
+	$(PY) -m vllm_mooncake.tools.demo
 
 lint: setup
 	$(PY) -m ruff check vllm_mooncake tests bench

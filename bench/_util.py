@@ -17,7 +17,7 @@ if str(ROOT) not in sys.path:
 def setup() -> None:
     """Quiet vLLM (the tables are the output) and register the plugin."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    from vllm_mooncake.sim.logs import quiet_vllm
+    from vllm_mooncake.tools.sim.logs import quiet_vllm
 
     quiet_vllm()
     import logging

@@ -15,7 +15,7 @@ upstream vLLM, the guard only observing) and then with the valve:
    the same arrivals with the valve on from step 0: the steps that scheduled
    no token with nothing in flight (the wedge's own steps; 0 means it never
    formed) and the lateral preemptions.
-2. **Simulator** (``scenarios/seed_1p2d_256.yaml``, 1P2D x 256 clients):
+2. **Simulator** (library scenario ``seed_1p2d_256``, 1P2D x 256 clients):
    ``no-reserve`` until a decode rank is wedged (``limits.wedge_steps``
    blocked steps), then the valve opened on every rank; steps of the wedged
    rank from the switch to its first unblocked step, simulated seconds, and
@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any
 from _util import machine, setup, table
 
 if TYPE_CHECKING:
-    from vllm_mooncake.sim.cluster import Cluster
-    from vllm_mooncake.sim.rank import Rank
     from vllm_mooncake.testing.driver import SchedulerDriver
+    from vllm_mooncake.tools.sim.cluster import Cluster
+    from vllm_mooncake.tools.sim.rank import Rank
 
 VALVES = ("reserve+lateral", "lateral")
 # The catalogue wedge -> the valve-less policies that form it.
@@ -50,7 +50,7 @@ SIM_SCENARIO = "seed_1p2d_256"
 def set_policy(scheduler: Any, policy: str) -> None:
     """Switch a live guarded scheduler's policy (the valve opens or shuts)."""
     guard = scheduler.wedge_guard
-    guard.guard_config = guard.guard_config.with_policy(policy)
+    guard.config = guard.config.with_policy(policy)
 
 
 # ---- 1. the catalogue ----------------------------------------------------------------
@@ -280,9 +280,9 @@ def _recovery(result: Any, switch: Switch) -> int | None:
 
 
 def sim_run(then: str, scale: float, stock_wedges: int) -> SimRow:
-    from vllm_mooncake.sim.__main__ import resolve_scenario
-    from vllm_mooncake.sim.runner import simulate
-    from vllm_mooncake.sim.scenario import load_scenario
+    from vllm_mooncake.tools.sim.__main__ import resolve_scenario
+    from vllm_mooncake.tools.sim.runner import simulate
+    from vllm_mooncake.tools.sim.scenario import load_scenario
 
     scenario = load_scenario(resolve_scenario(SIM_SCENARIO)).with_policy("no-reserve")
     switch = Switch(then, stock_wedges)

@@ -1,6 +1,6 @@
 """Stress: 1P2D at 4x the seed's concurrency with faults on; nothing may be lost.
 
-Runs ``scenarios/stress_1p2d_1024_faults.yaml`` (1024 closed-loop clients,
+Runs the library scenario ``stress_1p2d_1024_faults`` (1024 closed-loop clients,
 4096 requests on the seed's pools; store loads and P->D transfers that fail,
 arrive partly, or take long) under each policy, then checks:
 
@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING
 from _util import machine, setup, table
 
 if TYPE_CHECKING:
-    from vllm_mooncake.sim.cluster import Cluster
-    from vllm_mooncake.sim.rank import Rank
-    from vllm_mooncake.sim.scenario import Scenario
+    from vllm_mooncake.tools.sim.cluster import Cluster
+    from vllm_mooncake.tools.sim.rank import Rank
+    from vllm_mooncake.tools.sim.scenario import Scenario
 
 SCENARIO = "stress_1p2d_1024_faults"
 GUARDED = ("reserve+lateral", "lateral")
@@ -86,8 +86,8 @@ def drain(rank: Rank, at: float) -> list[str]:
 
 
 def _scenario(failure_policy: str | None) -> Scenario:
-    from vllm_mooncake.sim.__main__ import resolve_scenario
-    from vllm_mooncake.sim.scenario import load_scenario
+    from vllm_mooncake.tools.sim.__main__ import resolve_scenario
+    from vllm_mooncake.tools.sim.scenario import load_scenario
 
     scenario = load_scenario(resolve_scenario(SCENARIO))
     if failure_policy is None:
@@ -104,7 +104,7 @@ def _scenario(failure_policy: str | None) -> Scenario:
 
 
 def run(policy: str, scale: float, failure_policy: str | None) -> StressRow:
-    from vllm_mooncake.sim.runner import simulate
+    from vllm_mooncake.tools.sim.runner import simulate
 
     scenario = _scenario(failure_policy).with_policy(policy)
     cpu0 = time.process_time()

@@ -64,9 +64,9 @@ class Run:
 def run_job(job: Job) -> Run:
     """One simulation; CPU and wall time measured around it."""
     setup()
-    from vllm_mooncake.sim.__main__ import resolve_scenario
-    from vllm_mooncake.sim.runner import run_scenario
-    from vllm_mooncake.sim.scenario import load_scenario
+    from vllm_mooncake.tools.sim.__main__ import resolve_scenario
+    from vllm_mooncake.tools.sim.runner import run_scenario
+    from vllm_mooncake.tools.sim.scenario import load_scenario
 
     scenario = load_scenario(resolve_scenario(job.scenario))
     scenario = scenario.with_seed(job.seed).with_policy(job.policy)

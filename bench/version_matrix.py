@@ -3,8 +3,8 @@
 Downloads each wheel once (``pip download --no-deps`` into the project cache,
 ``.cache/wheels``), reads its Python source with ``ast`` -- nothing is
 imported, so the CUDA-only ``vllm`` wheels are fine on a CPU -- and compares
-every internal of ``vllm_mooncake/internals.py`` (the newest holder-queue
-layout) with the installed, proven vLLM (see ``vllm_mooncake/source_check``).
+every internal of ``vllm_mooncake/compat/internals.py`` (the newest holder-queue
+layout) with the installed, proven vLLM (see ``vllm_mooncake/compat/source_check``).
 The CPU releases 0.30 and 0.31 are not read here: the tests *run* on them
 (``tests/test_older_vllm.py``)::
 
@@ -26,15 +26,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vllm_mooncake.source_check import (  # noqa: E402
+from vllm_mooncake.compat.source_check import (  # noqa: E402
     OK,
     Report,
     WheelSource,
     check_tree,
     fetch_wheel,
 )
-from vllm_mooncake.testing.offline import cache_dir  # noqa: E402
-from vllm_mooncake.versions import installed_vllm_version  # noqa: E402
+from vllm_mooncake.compat.versions import installed_vllm_version  # noqa: E402
+from vllm_mooncake.offline import cache_dir  # noqa: E402
 
 DEFAULT = ("vllm==0.33.0", "vllm==0.34.0")
 RESULTS = ROOT / "bench" / "RESULTS.md"

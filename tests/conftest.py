@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_mooncake.testing import prepare_offline_env
+from vllm_mooncake.offline import prepare_offline_env
 
 prepare_offline_env()
 
@@ -14,6 +14,6 @@ register()
 
 def pytest_report_header() -> str:
     """Name the vLLM under test (tests/test_older_vllm.py reads it)."""
-    from vllm_mooncake.versions import installed_vllm_version
+    from vllm_mooncake.compat.versions import installed_vllm_version
 
     return f"vLLM {installed_vllm_version()}"

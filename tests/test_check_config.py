@@ -1,5 +1,5 @@
 """Malformed guard configurations: one clear error at start-up, and the same
-from ``check-config`` (``python -m vllm_mooncake.check_config``)."""
+from ``check-config`` (``python -m vllm_mooncake.tools.check_config``)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,14 @@ from typing import Any
 
 import pytest
 
-from vllm_mooncake.check_config import check, check_kv_transfer_config, main
-from vllm_mooncake.guard.config import GuardConfigError, check_scheduler_cls
+from vllm_mooncake.guard.config import GuardConfigError
+from vllm_mooncake.plugin import check_scheduler_cls
 from vllm_mooncake.testing.configs import SCRIPTED_MODULE, guarded, scripted_child
 from vllm_mooncake.testing.driver import EngineShape, SchedulerDriver, make_vllm_config
+from vllm_mooncake.tools.check_config import check, check_kv_transfer_config, main
 
 ROOT = Path(__file__).resolve().parent.parent
+CHECK_CONFIG = "vllm_mooncake.tools.check_config"
 CHILDREN = "kv_connector_extra_config.connectors"
 
 
@@ -280,13 +282,13 @@ def test_the_module_runs_as_a_command(tmp_path: Path) -> None:
     path = tmp_path / "kv.json"
     path.write_text(json.dumps(README_CONFIG))
     ok = subprocess.run(
-        [sys.executable, "-m", "vllm_mooncake.check_config", str(path)],
+        [sys.executable, "-m", "vllm_mooncake.tools.check_config", str(path)],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.startswith("OK: ")
     bad = subprocess.run(
-        [sys.executable, "-m", "vllm_mooncake.check_config", '{"kv_connector": 1}'],
+        [sys.executable, "-m", CHECK_CONFIG, '{"kv_connector": 1}'],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert bad.returncode == 1

@@ -115,7 +115,7 @@ def test_guarded_scheduler_without_guard_connector_is_refused() -> None:
 
 def test_unsupported_vllm_fails_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """A config naming the guard on an unproven vLLM fails before any request."""
-    import vllm_mooncake.versions as versions
+    import vllm_mooncake.compat.versions as versions
 
     monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.33.0")
     with pytest.raises(

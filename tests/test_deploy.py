@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from vllm_mooncake.check_config import check_kv_transfer_config
-from vllm_mooncake.deploy_check import (
+from vllm_mooncake.tools.check_config import check_kv_transfer_config
+from vllm_mooncake.tools.manifests import (
     check_docs,
     config_map_problems,
     guard_config_problems,

@@ -1,4 +1,4 @@
-"""The local cluster's layout rules (``vllm_mooncake/deploy/layout.py``).
+"""The local cluster's layout rules (``vllm_mooncake/tools/cluster/layout.py``).
 
 Pure data, no servers: ports, CPU pinning, each rank's command line,
 environment and ``kv_transfer_config``, and the router's member list.
@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from vllm_mooncake.check_config import check_kv_transfer_config
-from vllm_mooncake.deploy import layout
-from vllm_mooncake.deploy.layout import ClusterSpec, Rank
-from vllm_mooncake.deploy.local import all_ports
+from vllm_mooncake.tools.check_config import check_kv_transfer_config
+from vllm_mooncake.tools.cluster import layout
+from vllm_mooncake.tools.cluster.layout import ClusterSpec, Rank
+from vllm_mooncake.tools.cluster.local import all_ports
 
 
 def _arg(argv: list[str], flag: str) -> str:

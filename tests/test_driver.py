@@ -103,7 +103,7 @@ def test_worker_protocol_rejects_resume_of_unknown_request() -> None:
 
 def test_model_info_cache_is_project_local() -> None:
     """vLLM's model inspection (about 12 s cold) is cached under our folder."""
-    from vllm_mooncake.testing.offline import cache_dir
+    from vllm_mooncake.offline import cache_dir
 
     SchedulerDriver.build(EngineShape())
     cached = list((cache_dir() / "vllm").rglob("*LlamaForCausalLM*.json"))

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import pytest
 
+from vllm_mooncake.compat.versions import check_vllm_version
 from vllm_mooncake.guard.scheduler import WedgeGuardAsyncScheduler, WedgeGuardScheduler
 from vllm_mooncake.testing.configs import guarded, store_hit
 from vllm_mooncake.testing.driver import EngineShape, SchedulerDriver
@@ -29,7 +30,6 @@ from vllm_mooncake.testing.wedges import (
     WedgeScenario,
     play,
 )
-from vllm_mooncake.versions import check_vllm_version
 
 STALL_STEPS = 150
 

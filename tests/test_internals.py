@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_mooncake.internals import (
+from vllm_mooncake.compat.internals import (
     INTERNALS,
     Internal,
     applicable_internals,
     check_internal,
     missing_internals,
 )
-from vllm_mooncake.versions import (
+from vllm_mooncake.compat.versions import (
     SUPPORTED_VLLM,
     UnsupportedVllmVersion,
     check_vllm_version,

@@ -47,7 +47,7 @@ from vllm_mooncake.testing.wedges import W1, play
 
 LABELNAMES = ["model_name", "engine"]
 ENGINE_LABELS: dict[int, list[object]] = {0: ["tiny", "0"]}
-SCHEDULER_LOGGER = "vllm_mooncake.guard.scheduler"
+GUARD_LOGGER = "vllm_mooncake.guard.scheduler_side"
 
 
 # ---- helpers --------------------------------------------------------------------
@@ -118,7 +118,7 @@ def value(
 def guard_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
     """Capture the guarded scheduler's log records, whatever vLLM's logging
     config does with propagation."""
-    log = logging.getLogger(SCHEDULER_LOGGER)
+    log = logging.getLogger(GUARD_LOGGER)
     level, propagate = log.level, log.propagate
     log.addHandler(caplog.handler)
     log.setLevel(logging.DEBUG)
@@ -135,7 +135,7 @@ def messages(caplog: pytest.LogCaptureFixture, level: int, text: str) -> list[st
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == SCHEDULER_LOGGER and r.levelno == level and text in r.getMessage()
+        if r.name == GUARD_LOGGER and r.levelno == level and text in r.getMessage()
     ]
 
 
@@ -145,7 +145,7 @@ def test_w1_lateral_preemption_reaches_prometheus() -> None:
     results = play(d, W1, max_steps=300)
     assert d.finished == {"X": "length", "Y": "length"}
     connector = connector_of(d)
-    assert connector.stats.lateral_preemptions == {
+    assert connector.scheduler_side.stats.lateral_preemptions == {
         ("recv_done", "ScriptedLoadConnector[1]"): 1
     }
 
@@ -166,7 +166,7 @@ def test_w1_lateral_preemption_reaches_prometheus() -> None:
     total = GuardKVConnectorStats()
     for entry in entries:
         total.aggregate(entry)
-    assert total.guard_stats == connector.stats
+    assert total.guard_stats == connector.scheduler_side.stats
     assert total.reduce()["Lateral preemptions"] == 1
     assert total.reduce()["Wedges resolved"] == 1
 
@@ -257,7 +257,7 @@ def test_w1_under_reserve_raises_the_wedge_alarm(
 ) -> None:
     d = SchedulerDriver.build(W1.shape, guarded(policy="reserve", stall_alarm_steps=20))
     results = play(d, W1, max_steps=100)
-    stats = connector_of(d).stats
+    stats = connector_of(d).scheduler_side.stats
     # "reserve" observes only: the wedge stays, the alarm fires once.
     assert d.finished == {}
     alarms = messages(guard_log, logging.ERROR, "wedge alarm")

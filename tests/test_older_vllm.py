@@ -10,7 +10,7 @@ runs the version-aware test files again in that interpreter:
   adds the head-of-line wedge (HOL), which only 0.19-0.30 have;
 - 0.31 introduced ``kv_holding_waiting`` (the 0.32 layout) but computes the
   spec-decode part of the reservation with a method and has no KV-fetch
-  stage gauge (``guard/layout.py``).
+  stage gauge (``compat/releases.py``).
 
 The property tests run there too, with fewer generated runs.
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mooncake.testing.offline import cache_dir
+from vllm_mooncake.offline import cache_dir
 
 FILES = [
     "tests/test_internals.py",

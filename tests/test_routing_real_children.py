@@ -187,13 +187,13 @@ def test_guard_routes_mooncake_request_to_mooncake_child() -> None:
     first = d.step()
     assert first.num_scheduled_tokens == 0
     assert connector._requests_to_connector == {"mc": MOONCAKE}
-    entry = connector.ledger.get("mc")
+    entry = connector.scheduler_side.ledger.get("mc")
     assert entry is not None and entry.owner == "MooncakeConnector"
-    assert connector.stats.unroutable_requests == 0
+    assert connector.scheduler_side.stats.unroutable_requests == 0
     assert nixl_pulls(first) == set()  # NIXL is not asked to pull it
     park_promote_finish(d, "mc")
-    assert connector.ledger.get("mc") is None
-    assert connector.stats.ledger_errors == 0
+    assert connector.scheduler_side.ledger.get("mc") is None
+    assert connector.scheduler_side.stats.ledger_errors == 0
     # Neither real child delays a free on a decode rank (both return False
     # from request_finished), so the pool drains completely.
     assert_children_hold_nothing(connector)
@@ -214,14 +214,18 @@ def test_guard_mooncake_child_is_told_to_pull() -> None:
 # ---- 3. the guard, NIXL-style request ----------------------------------------
 def test_guard_routes_nixl_request_to_nixl_child() -> None:
     d, connector = build_guarded()
-    assert connector.router.claims[NIXL] == frozenset({"remote_block_ids"})
+    assert connector.scheduler_side.router.claims[NIXL] == frozenset(
+        {"remote_block_ids"}
+    )
     d.add("nx", PROMPT, max_tokens=3, kv_transfer_params=dict(NIXL_PARAMS))
     first = d.step()
-    assert connector.stats.unroutable_requests == 0
+    assert connector.scheduler_side.stats.unroutable_requests == 0
     assert first.num_scheduled_tokens == 0
     assert connector._requests_to_connector == {"nx": NIXL}
-    entry = connector.ledger.get("nx")
-    assert entry is not None and entry.owner == connector.child_names[NIXL]
+    entry = connector.scheduler_side.ledger.get("nx")
+    assert (
+        entry is not None and entry.owner == connector.scheduler_side.child_names[NIXL]
+    )
     assert nixl_pulls(first) == {"nx"}
     assert mooncake_pulls(first) == set()
     park_promote_finish(d, "nx")
@@ -234,18 +238,18 @@ def test_guard_computes_unroutable_remote_prefill_locally() -> None:
     d, connector = build_guarded()
     d.add("x", PROMPT, max_tokens=3, kv_transfer_params=dict(UNROUTABLE_PARAMS))
     first = d.step()
-    assert connector.stats.unroutable_requests == 1
+    assert connector.scheduler_side.stats.unroutable_requests == 1
     # The whole prompt is computed here, in the first step.
     assert first.scheduler_output.num_scheduled_tokens == {"x": PROMPT}
     assert d.status("x") == "RUNNING"
     assert "x" not in connector._requests_to_connector
-    entry = connector.ledger.get("x")
+    entry = connector.scheduler_side.ledger.get("x")
     assert entry is not None and entry.owner is None
     assert nixl_pulls(first) == set()
     assert mooncake_pulls(first) == set()
     d.run(20)
     assert d.finished == {"x": "length"}
-    assert connector.stats.unroutable_requests == 1
-    assert connector.stats.ledger_errors == 0
+    assert connector.scheduler_side.stats.unroutable_requests == 1
+    assert connector.scheduler_side.stats.ledger_errors == 0
     assert_children_hold_nothing(connector)
     assert_scheduler_empty(d.scheduler)

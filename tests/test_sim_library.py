@@ -12,10 +12,10 @@ from functools import cache
 
 import pytest
 
-from vllm_mooncake.sim.__main__ import REPO_SCENARIOS
-from vllm_mooncake.sim.results import RunResult
-from vllm_mooncake.sim.runner import run_scenario
-from vllm_mooncake.sim.scenario import Scenario, load_scenario
+from vllm_mooncake.tools.sim.__main__ import SCENARIO_LIBRARY
+from vllm_mooncake.tools.sim.results import RunResult
+from vllm_mooncake.tools.sim.runner import run_scenario
+from vllm_mooncake.tools.sim.scenario import Scenario, load_scenario
 
 # Scenario -> the CI --scale (scripted single-rank scenarios are not scaled).
 CI_SCALE = {
@@ -34,7 +34,7 @@ CI_REQUESTS = {"stress_1p2d_1024_faults": 160}
 
 @cache
 def _scenario(name: str) -> Scenario:
-    return load_scenario(REPO_SCENARIOS / f"{name}.yaml")
+    return load_scenario(SCENARIO_LIBRARY / f"{name}.yaml")
 
 
 def _ci_sized(name: str) -> Scenario:
@@ -53,7 +53,7 @@ def _run(name: str, policy: str) -> RunResult:
 
 
 def test_every_library_scenario_has_a_ci_size() -> None:
-    assert {p.stem for p in REPO_SCENARIOS.glob("*.yaml")} == set(CI_SCALE)
+    assert {p.stem for p in SCENARIO_LIBRARY.glob("*.yaml")} == set(CI_SCALE)
 
 
 CASES = [

@@ -12,18 +12,18 @@ from typing import Any
 
 import pytest
 
-from vllm_mooncake.sim.__main__ import main
-from vllm_mooncake.sim.compare import format_table
-from vllm_mooncake.sim.cost import CostModel
-from vllm_mooncake.sim.plot import plot_results
-from vllm_mooncake.sim.results import RunResult, without_wall
-from vllm_mooncake.sim.runner import run_scenario, simulate
-from vllm_mooncake.sim.scenario import load_scenario, parse_scenario
 from vllm_mooncake.testing.configs import STORE_KEY, scripted_multi, scripted_single
 from vllm_mooncake.testing.driver import EngineShape, SchedulerDriver
 from vllm_mooncake.testing.leaks import assert_scheduler_empty
+from vllm_mooncake.tools.sim.__main__ import SCENARIO_LIBRARY, main
+from vllm_mooncake.tools.sim.compare import format_table
+from vllm_mooncake.tools.sim.cost import CostModel
+from vllm_mooncake.tools.sim.plot import plot_results
+from vllm_mooncake.tools.sim.results import RunResult, without_wall
+from vllm_mooncake.tools.sim.runner import run_scenario, simulate
+from vllm_mooncake.tools.sim.scenario import load_scenario, parse_scenario
 
-SEED = Path(__file__).resolve().parents[1] / "scenarios" / "seed_1p2d_256.yaml"
+SEED = SCENARIO_LIBRARY / "seed_1p2d_256.yaml"
 SEED_SINGLE = SEED.with_name("seed_single.yaml")
 
 
@@ -106,7 +106,7 @@ def test_same_seed_same_json_across_processes(tmp_path: Path) -> None:
     """String hashing differs per process (PYTHONHASHSEED); the result must not."""
     out = tmp_path / "r.json"
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    cmd = [sys.executable, "-m", "vllm_mooncake.sim", "run", str(SEED)]
+    cmd = [sys.executable, "-m", "vllm_mooncake.tools.sim", "run", str(SEED)]
     cmd += ["--policy", "reserve+lateral", "--scale", "0.125", "--out", str(out)]
     subprocess.run(cmd, env=env, check=True, capture_output=True)
     here = run_scenario(load_scenario(SEED).with_policy("reserve+lateral"), 0.125)
@@ -169,7 +169,7 @@ def test_on_wedge_can_open_the_valve_and_the_run_goes_on() -> None:
     def open_valve(cluster: Any, rank: Any) -> bool:
         seen.append((rank.name, rank.stalls.streak))
         guard = rank.scheduler.wedge_guard
-        guard.guard_config = guard.guard_config.with_policy("lateral")
+        guard.config = guard.config.with_policy("lateral")
         return True
 
     result, cluster = simulate(scenario, on_wedge=open_valve)

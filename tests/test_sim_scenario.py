@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import yaml
 
-from vllm_mooncake.sim.__main__ import REPO_SCENARIOS, main
-from vllm_mooncake.sim.errors import ScenarioError
-from vllm_mooncake.sim.scenario import load_scenario, parse_scenario
-from vllm_mooncake.sim.workload import build_workload
+from vllm_mooncake.tools.sim.__main__ import SCENARIO_LIBRARY, main
+from vllm_mooncake.tools.sim.errors import ScenarioError
+from vllm_mooncake.tools.sim.scenario import load_scenario, parse_scenario
+from vllm_mooncake.tools.sim.workload import build_workload
 
-LIBRARY = sorted(REPO_SCENARIOS.glob("*.yaml"))
+LIBRARY = sorted(SCENARIO_LIBRARY.glob("*.yaml"))
 SMALL_PD: dict[str, Any] = {
     "mode": "pd",
     "ranks": {"prefill": 1, "decode": 2},
@@ -117,7 +117,7 @@ def test_request_list_errors_name_the_entry() -> None:
 
 
 def test_workload_is_fixed_by_the_seed_not_the_policy() -> None:
-    scenario = load_scenario(REPO_SCENARIOS / "seed_1p2d_256.yaml")
+    scenario = load_scenario(SCENARIO_LIBRARY / "seed_1p2d_256.yaml")
     a = build_workload(scenario)
     b = build_workload(scenario.with_policy("lateral"))
     assert a == b
@@ -143,7 +143,7 @@ def test_cli_bad_scenario_exits_2_naming_the_field(
 def test_cli_subprocess_exit_code() -> None:
     bad = yaml.safe_dump(_with("ranks.decode", -1))
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_mooncake.sim", "validate", "/dev/stdin"],
+        [sys.executable, "-m", "vllm_mooncake.tools.sim", "validate", "/dev/stdin"],
         input=bad,
         capture_output=True,
         text=True,

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
+from vllm_mooncake.compat.versions import check_vllm_version
 from vllm_mooncake.testing.configs import scripted_multi
 from vllm_mooncake.testing.driver import SchedulerDriver
 from vllm_mooncake.testing.wedges import HOL, W1, W2, WedgeScenario, play
-from vllm_mooncake.versions import check_vllm_version
 
 STALL_STEPS = 200
 OLD_QUEUES = check_vllm_version() == "0.30"  # skipped_waiting: HOL wedges too

@@ -1,6 +1,6 @@
 """The guard's private vLLM internals, read from the 0.33 / 0.34 wheels' source.
 
-These CUDA-only wheels cannot run here; ``vllm_mooncake.source_check`` reads
+These CUDA-only wheels cannot run here; ``vllm_mooncake.compat.source_check`` reads
 their Python files with ``ast`` (no import) and compares every internal with
 the installed, proven 0.32. The wheels are fetched into the project cache
 once (``pip download --no-deps``: about 10 s, 550 MiB, here); without a
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mooncake.internals import INTERNALS, LATEST
-from vllm_mooncake.source_check import (
+from vllm_mooncake.compat.internals import INTERNALS, LATEST
+from vllm_mooncake.compat.source_check import (
     BROKEN,
     CHANGED,
     MISSING,
@@ -29,8 +29,8 @@ from vllm_mooncake.source_check import (
     fetch_wheel,
     installed_source,
 )
-from vllm_mooncake.testing.offline import cache_dir
-from vllm_mooncake.versions import SUPPORTED_VLLM
+from vllm_mooncake.compat.versions import SUPPORTED_VLLM
+from vllm_mooncake.offline import cache_dir
 
 SCHEDULER_PY = "vllm/v1/core/sched/scheduler.py"
 

@@ -20,6 +20,7 @@ where the guard is used, not in :func:`register`.)
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from vllm_mooncake import CONNECTOR_MODULE, CONNECTOR_NAME, names_guard_connector
@@ -72,8 +73,8 @@ def validate_guard_config(vllm_config: Any) -> None:
     """
     if not uses_guard_connector(vllm_config):
         return
+    from vllm_mooncake.compat.versions import check_vllm_version
     from vllm_mooncake.guard.config import GuardConfig, validate_children
-    from vllm_mooncake.versions import check_vllm_version
 
     check_vllm_version()
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config
@@ -117,9 +118,44 @@ def select_scheduler(vllm_config: Any) -> None:
     if current is None or current in (SYNC_SCHEDULER, ASYNC_SCHEDULER):
         sc.scheduler_cls = ASYNC_SCHEDULER if sc.async_scheduling else SYNC_SCHEDULER
         return
-    from vllm_mooncake.guard.config import check_scheduler_cls
-
     check_scheduler_cls(current)
+
+
+def check_scheduler_cls(value: object) -> None:
+    """Raise unless ``scheduler_config.scheduler_cls`` can run the guard.
+
+    None and the guarded schedulers are fine; anything else must be (or
+    name, as a dotted path) a subclass of ``WedgeGuardMixin``.
+    """
+    if value is None or value in (SYNC_SCHEDULER, ASYNC_SCHEDULER):
+        return
+    from vllm_mooncake.guard.config import GuardConfigError
+
+    field = f"scheduler_config.scheduler_cls={value!r}"
+    compose = (
+        "Compose them: `class MyGuarded(vllm_mooncake.guard.scheduler."
+        "WedgeGuardMixin, YourScheduler): pass` and pass --scheduler-cls "
+        "mymodule.MyGuarded, or unset --scheduler-cls to use "
+        f"{ASYNC_SCHEDULER} / {SYNC_SCHEDULER}."
+    )
+    cls = value
+    if isinstance(value, str):
+        module, _, name = value.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise GuardConfigError(
+                f"{field}: cannot import it ({exc}); the wedge guard needs a "
+                f"scheduler that composes WedgeGuardMixin. {compose}"
+            ) from exc
+    from vllm_mooncake.guard.scheduler import WedgeGuardMixin
+
+    if isinstance(cls, type) and issubclass(cls, WedgeGuardMixin):
+        return
+    raise GuardConfigError(
+        f"{field} conflicts with the wedge guard (WedgeGuardConnector needs "
+        f"its scheduler). {compose}"
+    )
 
 
 def _install_scheduler_selection() -> None:

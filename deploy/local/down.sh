@@ -8,4 +8,4 @@ if [ ! -x .venv/bin/python ]; then
   exit 0
 fi
 export VLLM_MOONCAKE_CACHE=${VLLM_MOONCAKE_CACHE:-$PWD/.cache}
-exec .venv/bin/python -m vllm_mooncake.deploy.local down "$@"
+exec .venv/bin/python -m vllm_mooncake.tools.cluster.local down "$@"

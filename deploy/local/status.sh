@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export VLLM_MOONCAKE_CACHE=${VLLM_MOONCAKE_CACHE:-$PWD/.cache}
-exec .venv/bin/python -m vllm_mooncake.deploy.local status "$@"
+exec .venv/bin/python -m vllm_mooncake.tools.cluster.local status "$@"

@@ -21,9 +21,9 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from vllm_mooncake.deploy import layout
-from vllm_mooncake.deploy.client import complete
-from vllm_mooncake.deploy.local import (
+from vllm_mooncake.tools.cluster import layout
+from vllm_mooncake.tools.cluster.client import complete
+from vllm_mooncake.tools.cluster.local import (
     Cluster,
     all_ports,
     down,
@@ -31,7 +31,7 @@ from vllm_mooncake.deploy.local import (
     run_dir,
     up,
 )
-from vllm_mooncake.deploy.procs import Run, port_in_use
+from vllm_mooncake.tools.cluster.procs import Run, port_in_use
 
 RUN = "e2e"
 # A decode pool of 5 blocks of 128 tokens (one is vLLM's null block): room

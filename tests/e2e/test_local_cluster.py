@@ -37,7 +37,13 @@ from typing import Any
 
 import pytest
 
-from vllm_mooncake.deploy.client import (
+from vllm_mooncake.guard.metrics import (
+    COUNTER_METRICS,
+    DROPPED_RECV_NOTICES_METRIC,
+    GAUGE_METRICS,
+    LATERAL_PREEMPTIONS_METRIC,
+)
+from vllm_mooncake.tools.cluster.client import (
     Completion,
     Sample,
     complete,
@@ -47,13 +53,7 @@ from vllm_mooncake.deploy.client import (
     parse_metrics,
     scrape,
 )
-from vllm_mooncake.deploy.local import Cluster
-from vllm_mooncake.guard.metrics import (
-    COUNTER_METRICS,
-    DROPPED_RECV_NOTICES_METRIC,
-    GAUGE_METRICS,
-    LATERAL_PREEMPTIONS_METRIC,
-)
+from vllm_mooncake.tools.cluster.local import Cluster
 
 pytestmark = pytest.mark.e2e
 

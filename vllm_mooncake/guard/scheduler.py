@@ -4,7 +4,7 @@ Life cycle of a wedge and its resolution (vLLM 0.32):
 
 1. Requests A and B hold KV blocks without having run: B's receive finished,
    A was promoted after its own load. Both wait in ``kv_holding_waiting``
-   (``skipped_waiting`` before 0.31; see ``guard/layout.py``).
+   (``skipped_waiting`` before 0.31; see ``compat/releases.py``).
 2. ``schedule()`` peeks A and asks ``KVCacheManager.allocate_slots`` for A's
    next chunk; there are not enough free blocks, it returns ``None`` and the
    admission loop ``break``s. Nothing runs, so vLLM's running-side
@@ -44,10 +44,11 @@ from vllm.v1.engine import EngineCoreEventType
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
+from vllm_mooncake.compat.releases import SchedulerAccess, installed_layout
 from vllm_mooncake.guard.config import GuardConfigError
 from vllm_mooncake.guard.connector import WedgeGuardConnector
-from vllm_mooncake.guard.layout import SchedulerAccess, installed_layout
 from vllm_mooncake.guard.ledger import HolderView, Victim, WaitStatus
+from vllm_mooncake.guard.scheduler_side import GuardSchedulerSide, StepObservation
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -66,8 +67,11 @@ _STATUS = {
 
 def _require_supported_vllm() -> None:
     """Fail at start-up, by name, if this vLLM moved what the guard touches."""
-    from vllm_mooncake.internals import missing_internals
-    from vllm_mooncake.versions import UnsupportedVllmVersion, check_vllm_version
+    from vllm_mooncake.compat.internals import missing_internals
+    from vllm_mooncake.compat.versions import (
+        UnsupportedVllmVersion,
+        check_vllm_version,
+    )
 
     check_vllm_version()
     problems = missing_internals()
@@ -96,12 +100,11 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
                 f"'WedgeGuardConnector', got {got}; configure the guard "
                 "connector or use vLLM's own scheduler class"
             )
-        self.wedge_guard: WedgeGuardConnector = connector
+        # The guard's state and its narrow API (guard/scheduler_side.py).
+        self.wedge_guard: GuardSchedulerSide = connector.scheduler_side
         self._access = SchedulerAccess(self, installed_layout())
         self._lateral_budget = 0
         self._lateral_this_call: list[tuple[Victim, str]] = []
-        self._stall_steps = 0
-        self._alarm_raised = False
         self._install_admission_valve()
 
     # ---- the valve -------------------------------------------------------------
@@ -141,7 +144,7 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         manager.allocate_slots = allocate_slots
 
     def _may_preempt_for(self, request: Request) -> bool:
-        config = self.wedge_guard.guard_config
+        config = self.wedge_guard.config
         if not config.policy.lateral:
             return False
         if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
@@ -149,7 +152,7 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         if config.only_when_idle and self.running:
             return False  # running requests will free blocks: not a wedge
         if self._lateral_budget <= 0:
-            self.wedge_guard.stats.attempts_exhausted += 1
+            self.wedge_guard.note_attempts_exhausted()
             return False
         return True
 
@@ -217,7 +220,7 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         self.encoder_cache_manager.free(request)
         self._inflight_prefills.discard(request)
         request.num_computed_tokens = 0
-        executed = self.wedge_guard.ledger.has_executed(req_id)
+        executed = self.wedge_guard.has_executed(req_id)
         request.status = RequestStatus.PREEMPTED if executed else RequestStatus.WAITING
         request.num_preemptions += 1
         if self.log_stats:
@@ -228,7 +231,7 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
 
     # ---- overrides (each calls super) -------------------------------------------
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
-        self._lateral_budget = self.wedge_guard.guard_config.max_attempts
+        self._lateral_budget = self.wedge_guard.config.max_attempts
         self._lateral_this_call = []
         output = super().schedule(*args, **kwargs)
         self._after_schedule(output)
@@ -250,7 +253,7 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         return super().update_from_output(scheduler_output, model_runner_output)
 
     def _inflight_prefill_reserved_blocks(self) -> int:
-        if not self.wedge_guard.guard_config.policy.reserves:
+        if not self.wedge_guard.config.policy.reserves:
             return 0
         return int(super()._inflight_prefill_reserved_blocks())
 
@@ -270,54 +273,18 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         """vLLM promotes to PREEMPTED when num_preemptions > 0; a lateral
         victim that never ran must reach the worker as a new request."""
         if request.status == RequestStatus.PREEMPTED and not (
-            self.wedge_guard.ledger.has_executed(request.request_id)
+            self.wedge_guard.has_executed(request.request_id)
         ):
             request.status = RequestStatus.WAITING
 
     # ---- observation: gauges, the WARNING line, the wedge alarm -----------------
     def _after_schedule(self, output: SchedulerOutput) -> None:
-        stats = self.wedge_guard.stats
-        views = self._holder_views()
-        stats.recv_done_holders_waiting = sum(
-            1
-            for v in views
-            if v.status is WaitStatus.WAITING_FOR_REMOTE_KVS and v.recv_finished
+        step = StepObservation(
+            scheduled_tokens=output.total_num_scheduled_tokens,
+            num_running=len(self.running),
+            lateral=self._lateral_this_call,
         )
-        stats.blocks_held_by_non_running = sum(v.num_blocks for v in views)
-        if self._lateral_this_call:
-            self._report_resolution(views)
-        stalled = output.total_num_scheduled_tokens == 0 and not self.running and views
-        self._stall_steps = self._stall_steps + 1 if stalled else 0
-        stats.stalled_steps = self._stall_steps
-        alarm_at = self.wedge_guard.guard_config.stall_alarm_steps
-        if self._stall_steps >= alarm_at and not self._alarm_raised:
-            self._alarm_raised = True
-            stats.wedges_detected += 1
-            logger.error(
-                "wedge alarm: no token scheduled for %d steps while %d waiting "
-                "request(s) hold %d KV blocks and none runs; policy=%s; holders: %s",
-                self._stall_steps,
-                len(views),
-                stats.blocks_held_by_non_running,
-                self.wedge_guard.guard_config.policy.value,
-                self.wedge_guard.ledger.snapshot(views),
-            )
-        elif not stalled:
-            self._alarm_raised = False
-
-    def _report_resolution(self, views: list[HolderView]) -> None:
-        self.wedge_guard.stats.wedges_resolved += 1
-        moves = ", ".join(
-            f"{v.req_id} ({v.reason.value}, owner={v.owner}, {v.num_blocks} blocks) "
-            f"for {target}"
-            for v, target in self._lateral_this_call
-        )
-        logger.warning(
-            "wedge guard: admission failed with nothing running; lateral "
-            "preemption of %s; waiting holders now: %s",
-            moves,
-            self.wedge_guard.ledger.snapshot(views),
-        )
+        self.wedge_guard.observe_step(step, self._holder_views())
 
 
 class WedgeGuardScheduler(WedgeGuardMixin, Scheduler):  # type: ignore[misc]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import TYPE_CHECKING, Any, Literal
 
-from vllm_mooncake.testing.offline import (
+from vllm_mooncake.offline import (
     EOS_TOKEN_ID,
     TINY_HEAD_DIM,
     TINY_NUM_KV_HEADS,

@@ -1,7 +1,7 @@
 """What runs where in a local PD cluster: ports, CPUs, commands, configs.
 
 Pure data: nothing here starts a process, so every rule is unit-tested
-(``tests/test_deploy_layout.py``). :mod:`~vllm_mooncake.deploy.local` turns a
+(``tests/test_deploy_layout.py``). :mod:`~vllm_mooncake.tools.cluster.local` turns a
 :class:`ClusterSpec` into running processes.
 
 Ports are offsets from one base port (``--base-port``, default
@@ -338,7 +338,7 @@ def bootstrap_argv(spec: ClusterSpec, port: int) -> list[str]:
     return [
         spec.python,
         "-m",
-        "vllm_mooncake.deploy.mooncake_bootstrap",
+        "vllm_mooncake.tools.cluster.mooncake_bootstrap",
         "--host",
         HOST,
         "--port",

@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from vllm_mooncake.guard.config import POLICY_NAMES
-from vllm_mooncake.sim.dist import Dist
-from vllm_mooncake.sim.errors import ScenarioError
-from vllm_mooncake.sim.reader import Reader
+from vllm_mooncake.tools.sim.dist import Dist
+from vllm_mooncake.tools.sim.errors import ScenarioError
+from vllm_mooncake.tools.sim.reader import Reader
 
 SCHEMA_VERSION = 1
 MODES = ("pd", "single")

@@ -13,9 +13,9 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 
 from vllm_mooncake.guard.config import POLICY_NAMES
-from vllm_mooncake.sim.progress import ProgressLine
-from vllm_mooncake.sim.results import RunResult
-from vllm_mooncake.sim.scenario import Scenario
+from vllm_mooncake.tools.sim.progress import ProgressLine
+from vllm_mooncake.tools.sim.results import RunResult
+from vllm_mooncake.tools.sim.scenario import Scenario
 
 # Stock-like first, then upstream, then the guarded policies.
 DEFAULT_POLICIES = ("no-reserve", "reserve", "reserve+lateral", "lateral")
@@ -45,7 +45,7 @@ def run_policies(
 def _run_serial(
     scenario: Scenario, scale: float, progress: ProgressFactory | None
 ) -> RunResult:
-    from vllm_mooncake.sim.runner import run_scenario
+    from vllm_mooncake.tools.sim.runner import run_scenario
 
     line = progress(f"{scenario.name} {scenario.policy}") if progress else None
     try:
@@ -56,7 +56,7 @@ def _run_serial(
 
 
 def _quiet_run(scenario: Scenario, scale: float) -> RunResult:
-    from vllm_mooncake.sim.logs import quiet_vllm
+    from vllm_mooncake.tools.sim.logs import quiet_vllm
 
     quiet_vllm()
     return _run_serial(scenario, scale, None)

@@ -20,7 +20,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mooncake.sim.scenario import (
+from vllm_mooncake.testing.configs import PD_KEY, STORE_KEY
+from vllm_mooncake.tools.sim.scenario import (
     EngineSpec,
     LoadSpec,
     RequestEntry,
@@ -28,7 +29,6 @@ from vllm_mooncake.sim.scenario import (
     TransferSpec,
     WorkloadSpec,
 )
-from vllm_mooncake.testing.configs import PD_KEY, STORE_KEY
 
 CHILD_KEYS = {"store": STORE_KEY, "pd": PD_KEY}
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from vllm_mooncake.sim.cluster import Cluster, ProgressFn, WedgeFn
-from vllm_mooncake.sim.results import RunResult
-from vllm_mooncake.sim.scenario import Scenario
-from vllm_mooncake.sim.workload import build_workload
+from vllm_mooncake.tools.sim.cluster import Cluster, ProgressFn, WedgeFn
+from vllm_mooncake.tools.sim.results import RunResult
+from vllm_mooncake.tools.sim.scenario import Scenario
+from vllm_mooncake.tools.sim.workload import build_workload
 
 
 def shape_of(scenario: Scenario) -> str:

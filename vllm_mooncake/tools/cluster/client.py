@@ -1,6 +1,6 @@
 """A small stdlib HTTP client for the local cluster: completions and /metrics.
 
-Used by ``python -m vllm_mooncake.deploy.local`` (the smoke request after
+Used by ``python -m vllm_mooncake.tools.cluster.local`` (the smoke request after
 ``up``) and by the end-to-end tests. No third-party dependency, so it works
 in any environment that can reach the servers.
 """
@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mooncake.deploy.layout import SERVED_MODEL_NAME
+from vllm_mooncake.tools.cluster.layout import SERVED_MODEL_NAME
 
 
 class RequestFailed(RuntimeError):

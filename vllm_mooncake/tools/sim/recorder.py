@@ -2,7 +2,7 @@
 
 The cluster reports every request event (arrival, first token, completion)
 and every rank step; :meth:`Recorder.result` turns them into a
-:class:`~vllm_mooncake.sim.results.RunResult`, binning the per-step series
+:class:`~vllm_mooncake.tools.sim.results.RunResult`, binning the per-step series
 into :data:`TIMELINE_BINS` points for the plot.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm_mooncake.sim.rank import Rank, RankStep
-from vllm_mooncake.sim.results import RankResult, RunResult, percentiles
+from vllm_mooncake.tools.sim.rank import Rank, RankStep
+from vllm_mooncake.tools.sim.results import RankResult, RunResult, percentiles
 
 TIMELINE_BINS = 120
 SUCCESS = ("length", "stop")

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_mooncake.sim.results import RunResult
+from vllm_mooncake.tools.sim.results import RunResult
 
 SHADE_MIN_STEPS = 20
 # Policies often coincide (reserve and reserve+lateral when the valve stays

@@ -1,6 +1,6 @@
 """Offline checks of the Kubernetes manifests: schemas and cross-references.
 
-``python -m vllm_mooncake.deploy_check OVERLAY_DIR [...]`` renders each
+``python -m vllm_mooncake.tools.manifests OVERLAY_DIR [...]`` renders each
 overlay with ``kubectl kustomize``, validates every built-in object against
 the Kubernetes schemas (``kubernetes-validate``, no cluster needed; a
 LeaderWorkerSet's pod templates are validated as PodTemplates), then checks
@@ -229,7 +229,7 @@ def _http_port(service: Doc | None) -> int | None:
 
 def guard_config_problems(docs: list[Doc]) -> list[str]:
     """kv_transfer_config files name the guard connector and validate."""
-    from vllm_mooncake.check_config import check_kv_transfer_config
+    from vllm_mooncake.tools.check_config import check_kv_transfer_config
 
     problems = []
     services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}

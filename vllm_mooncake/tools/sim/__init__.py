@@ -15,9 +15,9 @@ simulated. Reading path:
    PNG, the ``vllm-mooncake-sim`` command.
 """
 
-from vllm_mooncake.sim.errors import ScenarioError, SimulationError
-from vllm_mooncake.sim.results import RunResult
-from vllm_mooncake.sim.scenario import Scenario, load_scenario, parse_scenario
+from vllm_mooncake.tools.sim.errors import ScenarioError, SimulationError
+from vllm_mooncake.tools.sim.results import RunResult
+from vllm_mooncake.tools.sim.scenario import Scenario, load_scenario, parse_scenario
 
 __all__ = [
     "RunResult",

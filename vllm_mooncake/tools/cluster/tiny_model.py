@@ -12,7 +12,7 @@ Why ``head_dim`` 32: the CPU attention kernel supports head sizes 32, 64,
 starts fine and kills the engine at the first request
 (``Unsupported CPU attention configuration: head_dim=16``).
 
-Run ``python -m vllm_mooncake.deploy.tiny_model [DIR]`` to write it; the
+Run ``python -m vllm_mooncake.tools.cluster.tiny_model [DIR]`` to write it; the
 folder is only rewritten when the recipe (:data:`RECIPE_VERSION`) changes.
 """
 
@@ -22,7 +22,7 @@ import argparse
 import json
 from pathlib import Path
 
-from vllm_mooncake.testing.offline import TINY_LLAMA_CONFIG, cache_dir
+from vllm_mooncake.offline import TINY_LLAMA_CONFIG, cache_dir
 
 RECIPE_VERSION = 1
 """Bump when the files this module writes change (1: first recipe)."""

@@ -20,7 +20,7 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from vllm_mooncake.sim.errors import ScenarioError
+from vllm_mooncake.tools.sim.errors import ScenarioError
 
 # dist -> required parameters
 KINDS: dict[str, tuple[str, ...]] = {

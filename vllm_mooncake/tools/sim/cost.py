@@ -14,14 +14,14 @@ simulation.
 
 A step that schedules nothing costs ``idle_tick_s``: the engine loop polls
 again. A rank whose only work is a transfer in flight sleeps until the
-transfer lands instead of ticking (:meth:`vllm_mooncake.sim.rank.Rank.step`).
+transfer lands instead of ticking (:meth:`vllm_mooncake.tools.sim.rank.Rank.step`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_mooncake.sim.scenario import CostSpec
+from vllm_mooncake.tools.sim.scenario import CostSpec
 
 
 @dataclass(frozen=True)

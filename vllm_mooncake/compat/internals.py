@@ -52,7 +52,7 @@ def _method(
 
 
 INTERNALS: tuple[Internal, ...] = (
-    # -- waiting queues and receive sets (guard/layout.py, guard/scheduler.py)
+    # -- waiting queues and receive sets (compat/releases.py, guard/scheduler.py)
     _attr(SCHEDULER, "kv_holding_waiting", "holders wait here: victims", NEW),
     _attr(SCHEDULER, "skipped_waiting", "blocked requests wait here: victims", OLD),
     _attr(SCHEDULER, "waiting", "victims are re-queued at its front"),
@@ -172,7 +172,7 @@ def check_internal(item: Internal) -> str | None:
 
 def applicable_internals(series: str | None = None) -> list[Internal]:
     """The internals the installed (or given) release's layout relies on."""
-    from vllm_mooncake.versions import check_vllm_version
+    from vllm_mooncake.compat.versions import check_vllm_version
 
     series = series or check_vllm_version()
     return [item for item in INTERNALS if item.applies_to(series)]

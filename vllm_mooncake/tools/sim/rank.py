@@ -25,9 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm_mooncake.sim.cost import CostModel
-from vllm_mooncake.sim.scenario import EngineSpec, GuardSpec
-from vllm_mooncake.sim.stalls import StallTracker
 from vllm_mooncake.testing.configs import guarded
 from vllm_mooncake.testing.driver import (
     EngineShape,
@@ -35,6 +32,9 @@ from vllm_mooncake.testing.driver import (
     make_scheduler,
     make_vllm_config,
 )
+from vllm_mooncake.tools.sim.cost import CostModel
+from vllm_mooncake.tools.sim.scenario import EngineSpec, GuardSpec
+from vllm_mooncake.tools.sim.stalls import StallTracker
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

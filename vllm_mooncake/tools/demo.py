@@ -1,7 +1,7 @@
 """``make demo``: the seed's 1P2D x 256 stall, stock vs guarded, then the catalogue.
 
-Part 1 runs the simulator (:mod:`vllm_mooncake.sim`) on
-``scenarios/seed_1p2d_256.yaml``: one prefill and two decode ranks, each
+Part 1 runs the simulator (:mod:`vllm_mooncake.tools.sim`) on
+the library scenario ``seed_1p2d_256``: one prefill and two decode ranks, each
 vLLM 0.32's real ``Scheduler``/``KVCacheManager`` behind the guard connector
 over two scripted children (a Mooncake-store-like prefix loader and a
 NIXL-like P->D transfer), 256 closed-loop clients, a cost model for the
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 if not os.environ.get("VERBOSE"):
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
-from vllm_mooncake.testing import prepare_offline_env  # noqa: E402
+from vllm_mooncake.offline import prepare_offline_env  # noqa: E402
 
 prepare_offline_env()
 
@@ -96,13 +96,13 @@ def format_table(rows: list[Row]) -> str:
 
 def simulate(scale: float, policies: tuple[str, ...]) -> None:
     """Part 1: the seed's 1P2D x 256 scenario under each policy, and the plot."""
-    from vllm_mooncake.sim.__main__ import REPO_SCENARIOS, RESULTS_DIR
-    from vllm_mooncake.sim.compare import describe, format_table, run_policies
-    from vllm_mooncake.sim.plot import plot_results
-    from vllm_mooncake.sim.progress import ProgressLine
-    from vllm_mooncake.sim.scenario import load_scenario
+    from vllm_mooncake.tools.sim.__main__ import RESULTS_DIR, SCENARIO_LIBRARY
+    from vllm_mooncake.tools.sim.compare import describe, format_table, run_policies
+    from vllm_mooncake.tools.sim.plot import plot_results
+    from vllm_mooncake.tools.sim.progress import ProgressLine
+    from vllm_mooncake.tools.sim.scenario import load_scenario
 
-    scenario = load_scenario(REPO_SCENARIOS / "seed_1p2d_256.yaml")
+    scenario = load_scenario(SCENARIO_LIBRARY / "seed_1p2d_256.yaml")
     progress = ProgressLine if sys.stderr.isatty() else None
     results = run_policies(scenario, policies, scale, progress=progress)
     out_dir = RESULTS_DIR / scenario.name
@@ -118,7 +118,7 @@ def simulate(scale: float, policies: tuple[str, ...]) -> None:
         f"PD simulation on vLLM's real 0.32 scheduler: "
         f"{scenario.ranks.prefill}P{scenario.ranks.decode}D, "
         f"{round(w.concurrency * scale)} closed-loop clients, "
-        f"{round(w.num_requests * scale)} requests (scenarios/seed_1p2d_256.yaml)"
+        f"{round(w.num_requests * scale)} requests (the library's seed_1p2d_256.yaml)"
     )
     print(
         f"WEDGED: a rank scheduled nothing for {scenario.limits.wedge_steps} "
@@ -133,7 +133,7 @@ def simulate(scale: float, policies: tuple[str, ...]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vllm_mooncake.sim.logs import quiet_vllm
+    from vllm_mooncake.tools.sim.logs import quiet_vllm
 
     if not os.environ.get("VERBOSE"):
         quiet_vllm()  # before vLLM is imported: it warns at import time

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from vllm_mooncake.internals import INTERNALS, LATEST, Internal
+from vllm_mooncake.compat.internals import INTERNALS, LATEST, Internal
 
 # Scheduler call sites the valve depends on: (callee, keyword it must pass).
 SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"

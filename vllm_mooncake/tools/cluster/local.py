@@ -2,24 +2,24 @@
 
 ::
 
-    python -m vllm_mooncake.deploy.local up [--shape 1p2d|2p2d|1p1d] [...]
-    python -m vllm_mooncake.deploy.local status
-    python -m vllm_mooncake.deploy.local down
+    python -m vllm_mooncake.tools.cluster.local up [--shape 1p2d|2p2d|1p1d] [...]
+    python -m vllm_mooncake.tools.cluster.local status
+    python -m vllm_mooncake.tools.cluster.local down
 
 ``up`` starts, in order, and waits for each to be healthy:
 
 1. one Mooncake bootstrap server per prefill rank, on 127.0.0.1
-   (:mod:`~vllm_mooncake.deploy.mooncake_bootstrap`);
+   (:mod:`~vllm_mooncake.tools.cluster.mooncake_bootstrap`);
 2. the prefill and decode vLLM servers, in parallel, each with
    ``WedgeGuardConnector`` over [MooncakeConnector, NixlConnector]
-   (:func:`~vllm_mooncake.deploy.layout.kv_transfer_config`), pinned to
+   (:func:`~vllm_mooncake.tools.cluster.layout.kv_transfer_config`), pinned to
    their CPUs;
 3. the router (``vllm-router --vllm-pd-disaggregation``);
 
 then sends one request through the router. Logs go to
 ``<cache>/deploy/<run>/logs/<name>.log``; ``state.json`` next to them records
 what was started, and ``down`` stops exactly that
-(:mod:`~vllm_mooncake.deploy.procs`). A failed ``up`` stops what it started.
+(:mod:`~vllm_mooncake.tools.cluster.procs`). A failed ``up`` stops what it started.
 
 The model is ``--model`` / ``$MODEL``, else the generated tiny Llama. On a
 host without accelerator the CPU settings apply (float32, eager, 1 GiB KV
@@ -39,10 +39,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_mooncake.deploy import layout
-from vllm_mooncake.deploy.layout import HOST, ClusterSpec, Rank
-from vllm_mooncake.deploy.procs import Run, StartupError, port_in_use
-from vllm_mooncake.testing.offline import cache_dir, prepare_offline_env
+from vllm_mooncake.offline import cache_dir, prepare_offline_env
+from vllm_mooncake.tools.cluster import layout
+from vllm_mooncake.tools.cluster.layout import HOST, ClusterSpec, Rank
+from vllm_mooncake.tools.cluster.procs import Run, StartupError, port_in_use
 
 DEFAULT_RUN = "local"
 BASE_PORT_ENV = "VLLM_MOONCAKE_BASE_PORT"
@@ -93,7 +93,7 @@ class Cluster:
 def resolve_model(spec: ClusterSpec) -> str:
     if spec.model:
         return spec.model
-    from vllm_mooncake.deploy.tiny_model import ensure_tiny_model
+    from vllm_mooncake.tools.cluster.tiny_model import ensure_tiny_model
 
     return str(ensure_tiny_model())
 
@@ -135,7 +135,7 @@ def up(
     if state.live():
         raise StartupError(
             f"run {run!r} is already up ({rd / 'state.json'}); stop it first: "
-            f"python -m vllm_mooncake.deploy.local down --run {run}"
+            f"python -m vllm_mooncake.tools.cluster.local down --run {run}"
         )
     busy = [p for p in all_ports(spec) if port_in_use(p, HOST)]
     if busy:
@@ -281,7 +281,7 @@ def _clear_logs(rd: Path) -> None:
 
 # ---- CLI ------------------------------------------------------------------------
 def smoke(cluster: Cluster, say: Any = print) -> None:
-    from vllm_mooncake.deploy.client import complete
+    from vllm_mooncake.tools.cluster.client import complete
 
     t = time.monotonic()
     out = complete(cluster.router_url, "Hello from the local PD cluster:", 12)
@@ -313,7 +313,7 @@ def _spec_from_args(args: argparse.Namespace) -> ClusterSpec:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m vllm_mooncake.deploy.local",
+        prog="python -m vllm_mooncake.tools.cluster.local",
         description="A local prefill/decode vLLM cluster with the wedge guard.",
     )
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -367,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _status(run: str) -> int:
-    from vllm_mooncake.deploy.procs import http_ok
+    from vllm_mooncake.tools.cluster.procs import http_ok
 
     state = Run(run_dir(run))
     if not state.procs:
@@ -392,7 +392,7 @@ def _print_summary(cluster: Cluster) -> None:
     opt = "" if run == DEFAULT_RUN else f" --run {run}"
     print(
         f"stop     deploy/local/down.sh{opt}  "
-        f"(python -m vllm_mooncake.deploy.local down{opt})"
+        f"(python -m vllm_mooncake.tools.cluster.local down{opt})"
     )
 
 

@@ -11,8 +11,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
-from vllm_mooncake.sim.dist import Dist, parse_dist
-from vllm_mooncake.sim.errors import ScenarioError
+from vllm_mooncake.tools.sim.dist import Dist, parse_dist
+from vllm_mooncake.tools.sim.errors import ScenarioError
 
 T = TypeVar("T")
 

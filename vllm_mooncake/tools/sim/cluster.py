@@ -41,14 +41,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_mooncake.sim.cost import CostModel
-from vllm_mooncake.sim.errors import SimulationError
-from vllm_mooncake.sim.rank import Rank, RankStep
-from vllm_mooncake.sim.recorder import SUCCESS, Recorder
-from vllm_mooncake.sim.results import RunResult
-from vllm_mooncake.sim.scenario import Scenario
-from vllm_mooncake.sim.workload import SimRequest, Workload
 from vllm_mooncake.testing.configs import PD_KEY
+from vllm_mooncake.tools.sim.cost import CostModel
+from vllm_mooncake.tools.sim.errors import SimulationError
+from vllm_mooncake.tools.sim.rank import Rank, RankStep
+from vllm_mooncake.tools.sim.recorder import SUCCESS, Recorder
+from vllm_mooncake.tools.sim.results import RunResult
+from vllm_mooncake.tools.sim.scenario import Scenario
+from vllm_mooncake.tools.sim.workload import SimRequest, Workload
 
 # progress(now_s, completed, total, steps)
 ProgressFn = Callable[[float, int, int, int], None]

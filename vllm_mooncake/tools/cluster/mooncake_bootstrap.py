@@ -8,7 +8,8 @@ child's ``kv_connector_extra_config.bootstrap_server_address`` stops the
 prefill from starting its own; this module runs vLLM's server class on that
 address instead (``127.0.0.1`` for the local cluster)::
 
-    python -m vllm_mooncake.deploy.mooncake_bootstrap --host 127.0.0.1 --port 8998
+    python -m vllm_mooncake.tools.cluster.mooncake_bootstrap \
+        --host 127.0.0.1 --port 8998
 
 One bootstrap server per prefill instance: it keys entries by data-parallel
 rank and rejects a second engine for the same rank, so restart it whenever

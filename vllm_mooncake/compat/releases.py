@@ -22,7 +22,7 @@ from typing import Any
 
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_mooncake.versions import check_vllm_version
+from vllm_mooncake.compat.versions import check_vllm_version
 
 
 class QueueLayout(enum.Enum):

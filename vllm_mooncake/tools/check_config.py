@@ -2,7 +2,7 @@
 
 ::
 
-    python -m vllm_mooncake.check_config FILE_OR_JSON
+    python -m vllm_mooncake.tools.check_config FILE_OR_JSON
     vllm-mooncake-check-config FILE_OR_JSON
 
 The argument is a JSON file or a JSON string: either the
@@ -49,13 +49,9 @@ def load(arg: str) -> Any:
 
 def check(raw: Any) -> str:
     """Validate; return a one-line summary or raise with the message."""
-    from vllm_mooncake.guard.config import (
-        GuardConfig,
-        check_scheduler_cls,
-        validate_children,
-    )
-    from vllm_mooncake.plugin import register
-    from vllm_mooncake.versions import check_vllm_version
+    from vllm_mooncake.compat.versions import check_vllm_version
+    from vllm_mooncake.guard.config import GuardConfig, validate_children
+    from vllm_mooncake.plugin import check_scheduler_cls, register
 
     if not isinstance(raw, Mapping):
         raise ConfigCheckError(

@@ -1,4 +1,4 @@
-"""``vllm-mooncake-sim`` / ``python -m vllm_mooncake.sim``: run, compare, validate.
+"""``vllm-mooncake-sim`` (``python -m vllm_mooncake.tools.sim``): run, compare.
 
 ::
 
@@ -6,7 +6,8 @@
     vllm-mooncake-sim compare SCENARIO [--policies P,P,...] [--plot FILE] [--check]
     vllm-mooncake-sim validate SCENARIO [SCENARIO ...]
 
-SCENARIO is a file, or the name of one in the repository's ``scenarios/``.
+SCENARIO is a file, or the name of one in the scenario library shipped with
+the package (``vllm_mooncake/tools/sim/scenarios/``), from any directory.
 Exit codes: 0 the runs completed (wedged or not -- a wedge is a result);
 1 ``--fail-on-wedge`` saw a wedge or ``--check`` an unexpected outcome;
 2 a bad scenario or command line (the message names the field).
@@ -21,27 +22,28 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vllm_mooncake.guard.config import POLICY_NAMES
-from vllm_mooncake.sim.errors import ScenarioError
+from vllm_mooncake.tools.sim.errors import ScenarioError
 
 if TYPE_CHECKING:
-    from vllm_mooncake.sim.compare import ProgressFactory
-    from vllm_mooncake.sim.scenario import Scenario
+    from vllm_mooncake.tools.sim.compare import ProgressFactory
+    from vllm_mooncake.tools.sim.scenario import Scenario
 
-REPO_SCENARIOS = Path(__file__).resolve().parents[2] / "scenarios"
+# The scenario library: package data, so an installed wheel finds it too.
+SCENARIO_LIBRARY = Path(__file__).resolve().parent / "scenarios"
 RESULTS_DIR = Path("results/runs")
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
 def resolve_scenario(name: str) -> Path:
-    """A path as given, else ``scenarios/<name>[.yaml]`` of this repository."""
+    """A path as given, else ``<name>[.yaml]`` of the scenario library."""
     path = Path(name)
     if path.exists():
         return path
-    for candidate in (REPO_SCENARIOS / name, REPO_SCENARIOS / f"{name}.yaml"):
+    for candidate in (SCENARIO_LIBRARY / name, SCENARIO_LIBRARY / f"{name}.yaml"):
         if candidate.exists():
             return candidate
     raise ScenarioError(
-        "", f"no such scenario file (looked in {REPO_SCENARIOS} too)", name
+        "", f"no such scenario file (looked in {SCENARIO_LIBRARY} too)", name
     )
 
 
@@ -73,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("scenario", help="scenario file, or a name in scenarios/")
+        p.add_argument("scenario", help="scenario file, or a library scenario's name")
         p.add_argument("--seed", type=int, help="override the scenario's seed")
         p.add_argument(
             "--scale", type=_scale, default=1.0, help="load and pool size factor"
@@ -118,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "validate":
             return _validate(args.scenarios)
         if not args.verbose:
-            from vllm_mooncake.sim.logs import quiet_vllm
+            from vllm_mooncake.tools.sim.logs import quiet_vllm
 
             quiet_vllm()
         if args.command == "run":
@@ -130,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _load(args: argparse.Namespace) -> Scenario:
-    from vllm_mooncake.sim.scenario import load_scenario
+    from vllm_mooncake.tools.sim.scenario import load_scenario
 
     scenario = load_scenario(resolve_scenario(args.scenario))
     if args.seed is not None:
@@ -139,7 +141,7 @@ def _load(args: argparse.Namespace) -> Scenario:
 
 
 def _validate(names: Sequence[str]) -> int:
-    from vllm_mooncake.sim.scenario import load_scenario
+    from vllm_mooncake.tools.sim.scenario import load_scenario
 
     status = EXIT_OK
     for name in names:
@@ -154,7 +156,7 @@ def _validate(names: Sequence[str]) -> int:
 
 
 def _progress(args: argparse.Namespace) -> ProgressFactory | None:
-    from vllm_mooncake.sim.progress import ProgressLine
+    from vllm_mooncake.tools.sim.progress import ProgressLine
 
     if args.no_progress or not sys.stderr.isatty():
         return None
@@ -162,7 +164,7 @@ def _progress(args: argparse.Namespace) -> ProgressFactory | None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from vllm_mooncake.sim.compare import format_table, run_policies
+    from vllm_mooncake.tools.sim.compare import format_table, run_policies
 
     scenario = _load(args)
     if args.policy:
@@ -175,21 +177,21 @@ def _run(args: argparse.Namespace) -> int:
         print(format_table([result]))
         print(f"result: {result.write(out)}")
     if args.plot:
-        from vllm_mooncake.sim.plot import plot_results
+        from vllm_mooncake.tools.sim.plot import plot_results
 
         print(f"plot: {plot_results([result], args.plot)}")
     return EXIT_FAILED if args.fail_on_wedge and result.wedged else EXIT_OK
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from vllm_mooncake.sim.compare import (
+    from vllm_mooncake.tools.sim.compare import (
         DEFAULT_POLICIES,
         describe,
         format_table,
         mismatches,
         run_policies,
     )
-    from vllm_mooncake.sim.plot import plot_results
+    from vllm_mooncake.tools.sim.plot import plot_results
 
     scenario = _load(args)
     policies = args.policies or list(DEFAULT_POLICIES)

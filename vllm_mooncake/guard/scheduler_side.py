@@ -1,0 +1,347 @@
+"""The guard's scheduler side: every piece of state the guard keeps.
+
+Built once per engine, by :class:`~vllm_mooncake.guard.connector.WedgeGuardConnector`
+in its SCHEDULER role only (workers build none of it). It owns:
+
+- the :class:`~vllm_mooncake.guard.ledger.BlockLedger` (blocks, owner, receive
+  state of every request);
+- the :class:`~vllm_mooncake.guard.stats.GuardStats` behind the metrics;
+- the :class:`~vllm_mooncake.guard.routing.ChildRouter` (which child a
+  request's ``kv_transfer_params`` name);
+- the faults of children that raised (``guard/containment.py``) and the loads
+  they never started;
+- the receive-notice filter.
+
+Two audiences, two small APIs:
+
+* the connector facade reports vLLM's connector hooks: :meth:`route`,
+  :meth:`record_lookup`, :meth:`owner_first`, :meth:`record_alloc`,
+  :meth:`observe_scheduler_output`, :meth:`record_finished`;
+* the guarded scheduler asks and reports: :meth:`pick_victim`,
+  :meth:`on_lateral_preemption`, :meth:`filter_recv_notices`,
+  :meth:`has_unstarted_loads`, :meth:`has_executed`, :meth:`observe_step`.
+
+Nothing here imports vLLM's scheduler: requests, blocks and outputs are
+read by attribute, so the class runs in unit tests with plain objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from vllm.logger import init_logger
+
+from vllm_mooncake.guard.config import GuardConfig
+from vllm_mooncake.guard.containment import ALLOC, ChildFault
+from vllm_mooncake.guard.ledger import (
+    BlockLedger,
+    HolderView,
+    LedgerError,
+    RecvState,
+    Victim,
+    WaitStatus,
+)
+from vllm_mooncake.guard.routing import ChildRouter, UnroutableRequest
+from vllm_mooncake.guard.stats import GuardStats
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+T = TypeVar("T")
+
+UNROUTABLE = -1
+""":meth:`GuardSchedulerSide.route`'s answer for a request no child can load."""
+
+
+@dataclass(frozen=True)
+class StepObservation:
+    """What one ``schedule()`` call did, as the guard's gauges need it."""
+
+    scheduled_tokens: int
+    num_running: int
+    lateral: Sequence[tuple[Victim, str]]  # (victim, admission target)
+
+
+class GuardSchedulerSide:
+    """The ledger, stats, router, fault and notice state of one scheduler."""
+
+    def __init__(
+        self,
+        config: GuardConfig,
+        router: ChildRouter,
+        requests_to_connector: dict[str, int],
+        block_size: int,
+    ) -> None:
+        self.config = config
+        self.ledger = BlockLedger()
+        self.stats = GuardStats()
+        self.router = router
+        # MultiConnector's own map of request -> loading child (shared, not
+        # copied): the facade's stock paths read and write it too.
+        self._requests_to_connector = requests_to_connector
+        self._block_size = block_size
+        # The output filter_recv_notices last filtered (filter once per step).
+        self._filtered_output: KVConnectorOutput | None = None
+        # Loads whose owner raised before starting them: async ones are
+        # reported as failed receives, sync ones as invalid blocks, on the
+        # next update_from_output (see on_load_not_started).
+        self._unstarted_recvs: set[str] = set()
+        self._unstarted_blocks: set[int] = set()
+        self._alloc_fault: ChildFault | None = None
+        self._last_lookup: tuple[str, int] = ("", 0)
+        # The stall being watched: zero-token steps while holders wait.
+        self._stall_steps = 0
+        self._alarm_raised = False
+
+    @property
+    def child_names(self) -> tuple[str, ...]:
+        return self.router.names
+
+    # ---- ledger calls: log (or raise, when strict) inconsistencies --------------
+    def _ledger(self, call: Callable[..., T], *args: Any) -> T | None:
+        try:
+            return call(*args)
+        except LedgerError:
+            self.stats.ledger_errors += 1
+            if self.config.strict:
+                raise
+            logger.exception("wedge guard ledger inconsistency (continuing)")
+            return None
+
+    # ---- connector hooks, reported by the facade ----------------------------------
+    def on_arrival(self, req_id: str) -> None:
+        self._ledger(self.ledger.on_arrival, req_id)
+
+    def route(self, request: Request, num_computed_tokens: int) -> int | None:
+        """The child whose ``kv_transfer_params`` ``request`` carries.
+
+        ``None``: no child claims them (MultiConnector asks each in turn);
+        :data:`UNROUTABLE`: they name no child that can load them -- the
+        request is computed locally, counted and logged.
+        """
+        req_id = request.request_id
+        self._last_lookup = (req_id, num_computed_tokens)
+        try:
+            return self.router.owner_for(request.kv_transfer_params)
+        except UnroutableRequest as exc:
+            self.stats.unroutable_requests += 1
+            logger.error("request %s: %s Computing it locally instead.", req_id, exc)
+            self.record_lookup(req_id, None, 0, False)
+            return UNROUTABLE
+
+    def record_lookup(
+        self, req_id: str, owner: int | None, num_tokens: int, is_async: bool
+    ) -> None:
+        """``owner`` offers ``num_tokens`` for ``req_id``: remember who loads it."""
+        if num_tokens and owner is not None:
+            self._requests_to_connector[req_id] = owner
+        else:
+            self._requests_to_connector.pop(req_id, None)
+        owner_name = self.child_names[owner] if owner is not None else None
+        self._ledger(self.ledger.on_lookup, req_id, owner_name, num_tokens, is_async)
+
+    def owner_first(self, req_id: str, num_children: int) -> list[int]:
+        """Children in the order ``update_state_after_alloc`` must tell them."""
+        owner = self._requests_to_connector.get(req_id, -1)
+        self._alloc_fault = None
+        return sorted(range(num_children), key=lambda i: i != owner)
+
+    def owner_of(self, req_id: str) -> int | None:
+        """The child loading ``req_id`` (MultiConnector's choice or ours)."""
+        return self._requests_to_connector.get(req_id)
+
+    def record_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """The children know of the allocation; the ledger now learns of it."""
+        num_blocks = len(blocks.get_block_ids()[0]) if blocks.blocks else 0
+        self._ledger(
+            self.ledger.on_alloc, request.request_id, num_blocks, num_external_tokens
+        )
+        fault, self._alloc_fault = self._alloc_fault, None
+        if fault is not None and fault.num_external_tokens > 0:
+            self.on_load_not_started(request, blocks, num_external_tokens)
+
+    def on_child_fault(self, fault: ChildFault) -> None:
+        """A contained child raised (guard/containment.py): count it."""
+        self.stats.child_errors[f"{fault.child}|{fault.hook}"] += 1
+        if fault.hook == ALLOC:
+            self._alloc_fault = fault
+
+    def on_load_not_started(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """The owner raised before starting ``request``'s load: fail the load.
+
+        vLLM already counts the external tokens as (to be) computed. An
+        async load is reported as a failed receive on the next step (the
+        request waits in WAITING_FOR_REMOTE_KVS for exactly that); a sync
+        load's blocks are reported invalid, as a worker reports a sync load
+        that failed. Either way ``kv_load_failure_policy`` decides:
+        ``recompute`` prefills it locally, ``fail`` ends it with an error.
+        """
+        req_id = request.request_id
+        if self.ledger.recv_state(req_id) is RecvState.IN_FLIGHT:
+            self._unstarted_recvs.add(req_id)
+            return
+        looked_up, computed = self._last_lookup
+        start = computed if looked_up == req_id else request.num_computed_tokens
+        end = start + num_external_tokens
+        block_ids = blocks.get_block_ids()[0] if blocks.blocks else []
+        first, last = start // self._block_size, -(-end // self._block_size)
+        self._unstarted_blocks.update(block_ids[first:last])
+
+    def has_unstarted_loads(self) -> bool:
+        return bool(self._unstarted_recvs or self._unstarted_blocks)
+
+    def observe_scheduler_output(self, scheduler_output: SchedulerOutput) -> None:
+        """What this step scheduled and preempted (from build_connector_meta)."""
+        for req_id in scheduler_output.preempted_req_ids or ():
+            self.ledger.on_preempted(req_id)
+        for new in scheduler_output.scheduled_new_reqs:
+            self._ledger(
+                self.ledger.on_scheduled,
+                new.req_id,
+                new.num_computed_tokens,
+                len(new.block_ids[0]) if new.block_ids else 0,
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        new_ids = cached.new_block_ids or [None] * len(cached.req_ids)
+        added = [len(ids[0]) if ids else 0 for ids in new_ids]
+        for req_id, computed, blocks in self.ledger.on_scheduled_again(
+            cached.req_ids, cached.num_computed_tokens, added
+        ):
+            self._ledger(self.ledger.on_scheduled, req_id, computed, blocks)
+
+    def record_finished(self, req_id: str) -> None:
+        self.ledger.on_finished(req_id)
+
+    # ---- receive notices ------------------------------------------------------------
+    def filter_recv_notices(self, connector_output: KVConnectorOutput) -> None:
+        """Drop duplicate and late receive notices from ``connector_output``.
+
+        A duplicate (two children reporting one request, upstream #53049) or
+        a late notice for a finished request would trip vLLM's assert or free
+        blocks twice; a duplicate *failure* notice would fail (or reset) a
+        request whose KV arrived. vLLM reads ``failed_recving`` at the top of
+        ``update_from_output``, before it calls the connector's
+        ``update_connector_output``, so the guarded scheduler calls this
+        first; the failed set is cut to the accepted receives even when no
+        receive finished. Once per output (see :meth:`end_output`).
+        """
+        if connector_output is self._filtered_output:
+            return
+        self._filtered_output = connector_output
+        self._report_unstarted_loads(connector_output)
+        failed = connector_output.failed_recving or set()
+        kept: set[str] = set()
+        if connector_output.finished_recving:
+            kept = self._accepted_recvs(connector_output.finished_recving, failed)
+            connector_output.finished_recving = kept or None
+        if failed:
+            connector_output.failed_recving = {r for r in failed if r in kept}
+
+    def end_output(self) -> None:
+        """The connector forwarded the output: the next one is filtered anew."""
+        self._filtered_output = None
+
+    def _report_unstarted_loads(self, connector_output: KVConnectorOutput) -> None:
+        if self._unstarted_recvs:
+            live = {r for r in self._unstarted_recvs if self.ledger.get(r)}
+            self._unstarted_recvs.clear()
+            if live:
+                finished = set(connector_output.finished_recving or ())
+                failed = set(connector_output.failed_recving or ())
+                connector_output.finished_recving = finished | live
+                connector_output.failed_recving = failed | live
+        if self._unstarted_blocks:
+            invalid = set(connector_output.invalid_block_ids or ())
+            connector_output.invalid_block_ids = invalid | self._unstarted_blocks
+            self._unstarted_blocks.clear()
+
+    def _accepted_recvs(self, finished: Iterable[str], failed: set[str]) -> set[str]:
+        kept = set()
+        before = self.ledger.dropped.__dict__.copy()
+        for req_id in finished:
+            if self.ledger.accept_recv_complete(req_id, req_id in failed):
+                kept.add(req_id)
+        for kind, n in self.ledger.dropped.__dict__.items():
+            if n > before[kind]:
+                self.stats.dropped_recv_notices[kind] += n - before[kind]
+                logger.warning(
+                    "wedge guard dropped %d %s receive notice(s)",
+                    n - before[kind],
+                    kind,
+                )
+        return kept
+
+    # ---- the guarded scheduler's API -----------------------------------------
+    def has_executed(self, req_id: str) -> bool:
+        """Whether the worker has seen ``req_id`` (it must resume, not restart)."""
+        return self.ledger.has_executed(req_id)
+
+    def pick_victim(self, views: Iterable[HolderView], target: str) -> Victim | None:
+        return self.ledger.pick_victim(views, target)
+
+    def on_lateral_preemption(self, victim: Victim) -> None:
+        self._ledger(self.ledger.on_lateral_preempt, victim.req_id)
+        self._requests_to_connector.pop(victim.req_id, None)
+        key = (victim.reason.value, victim.owner or "none")
+        self.stats.lateral_preemptions[key] += 1
+
+    def note_attempts_exhausted(self) -> None:
+        self.stats.attempts_exhausted += 1
+
+    def observe_step(self, step: StepObservation, views: list[HolderView]) -> None:
+        """Gauges, the resolution WARNING and the wedge alarm, once per step."""
+        stats = self.stats
+        stats.recv_done_holders_waiting = sum(
+            1
+            for v in views
+            if v.status is WaitStatus.WAITING_FOR_REMOTE_KVS and v.recv_finished
+        )
+        stats.blocks_held_by_non_running = sum(v.num_blocks for v in views)
+        if step.lateral:
+            self._report_resolution(step.lateral, views)
+        stalled = step.scheduled_tokens == 0 and not step.num_running and bool(views)
+        self._stall_steps = self._stall_steps + 1 if stalled else 0
+        stats.stalled_steps = self._stall_steps
+        if (
+            self._stall_steps >= self.config.stall_alarm_steps
+            and not self._alarm_raised
+        ):
+            self._alarm_raised = True
+            stats.wedges_detected += 1
+            logger.error(
+                "wedge alarm: no token scheduled for %d steps while %d waiting "
+                "request(s) hold %d KV blocks and none runs; policy=%s; holders: %s",
+                self._stall_steps,
+                len(views),
+                stats.blocks_held_by_non_running,
+                self.config.policy.value,
+                self.ledger.snapshot(views),
+            )
+        elif not stalled:
+            self._alarm_raised = False
+
+    def _report_resolution(
+        self, lateral: Sequence[tuple[Victim, str]], views: list[HolderView]
+    ) -> None:
+        self.stats.wedges_resolved += 1
+        moves = ", ".join(
+            f"{v.req_id} ({v.reason.value}, owner={v.owner}, {v.num_blocks} blocks) "
+            f"for {target}"
+            for v, target in lateral
+        )
+        logger.warning(
+            "wedge guard: admission failed with nothing running; lateral "
+            "preemption of %s; waiting holders now: %s",
+            moves,
+            self.ledger.snapshot(views),
+        )
