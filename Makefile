@@ -22,6 +22,7 @@ demo: setup
 lint: setup
 	$(PY) -m ruff check vllm_mooncake tests bench
 	$(PY) -m ruff format --check vllm_mooncake tests bench
+	.venv/bin/lint-imports --no-cache
 
 typecheck: setup
 	$(PY) -m mypy

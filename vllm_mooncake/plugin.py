@@ -182,3 +182,15 @@ def _install_scheduler_selection() -> None:
 
     VllmConfig.__post_init__ = __post_init__
     setattr(VllmConfig, _PATCHED_ATTR, True)
+
+
+__all__ = [
+    "ASYNC_SCHEDULER",
+    "SYNC_SCHEDULER",
+    "check_scheduler_cls",
+    "configure_for_guard",
+    "register",
+    "select_scheduler",
+    "uses_guard_connector",
+    "validate_guard_config",
+]

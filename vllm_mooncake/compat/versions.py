@@ -45,3 +45,12 @@ def check_vllm_version(version: str | None = None) -> str:
             "WedgeGuardConnector from kv_transfer_config to run without the guard."
         )
     return series(version)
+
+
+__all__ = [
+    "SUPPORTED_VLLM",
+    "UnsupportedVllmVersion",
+    "check_vllm_version",
+    "installed_vllm_version",
+    "series",
+]

@@ -257,3 +257,13 @@ def _check_child_connector(name: str, module: str | None, where: str) -> None:
         # Registered, but its module does not load here (e.g. a transport
         # library only the serving image has): vLLM reports that itself.
         return
+
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "GuardConfig",
+    "GuardConfigError",
+    "POLICY_NAMES",
+    "Policy",
+    "validate_children",
+]

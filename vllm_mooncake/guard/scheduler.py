@@ -297,3 +297,10 @@ class WedgeGuardAsyncScheduler(WedgeGuardMixin, AsyncScheduler):  # type: ignore
     MRO: WedgeGuardMixin -> AsyncScheduler -> Scheduler, so the guard's
     overrides wrap AsyncScheduler's, which wrap Scheduler's.
     """
+
+
+__all__ = [
+    "WedgeGuardAsyncScheduler",
+    "WedgeGuardMixin",
+    "WedgeGuardScheduler",
+]

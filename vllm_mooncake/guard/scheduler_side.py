@@ -345,3 +345,10 @@ class GuardSchedulerSide:
             moves,
             self.ledger.snapshot(views),
         )
+
+
+__all__ = [
+    "GuardSchedulerSide",
+    "StepObservation",
+    "UNROUTABLE",
+]

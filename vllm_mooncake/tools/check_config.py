@@ -129,3 +129,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+__all__ = [
+    "ConfigCheckError",
+    "check",
+    "check_kv_transfer_config",
+    "load",
+    "main",
+]
