@@ -15,9 +15,11 @@ import pytest
 
 from vllm_mooncake.tools.check_config import check_kv_transfer_config
 from vllm_mooncake.tools.manifests import (
+    api_key_problems,
     check_docs,
     config_map_problems,
     guard_config_problems,
+    network_policy_problems,
     render,
     router_problems,
     schema_problems,
@@ -185,3 +187,201 @@ def test_schema_violation_is_caught(base_1p2d: list[dict[str, Any]]) -> None:
     docs = copy.deepcopy(base_1p2d)
     _doc(docs, "StatefulSet", "vllm-prefill")["spec"]["replicas"] = "one"
     assert any("schema" in p for p in schema_problems(docs))
+
+
+# ---- the deployment arrives closed: NetworkPolicies and the API key ------------
+def _policy(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    return next(
+        d
+        for d in docs
+        if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == name
+    )
+
+
+def _kv_rule(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """The rule of a rank's policy that admits the KV plane."""
+    rules = _policy(docs, name)["spec"]["ingress"]
+    return next(r for r in rules if any(p["port"] == "nixl" for p in r["ports"]))
+
+
+def _env(container: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(e for e in container["env"] if e["name"] == name)
+
+
+def _one(problems: list[str], *words: str) -> None:
+    """Exactly the problems naming every word; at least one of them."""
+    hits = [p for p in problems if all(w in p for w in words)]
+    assert hits, f"no problem naming {words} in {problems}"
+
+
+def test_every_pod_is_under_a_policy_and_the_key(
+    rendered: tuple[str, list[dict[str, Any]]],
+) -> None:
+    _, docs = rendered
+    assert network_policy_problems(docs) == []
+    assert api_key_problems(docs) == []
+    names = {d["metadata"]["name"] for d in docs if d["kind"] == "NetworkPolicy"}
+    assert {"vllm-pd-default-deny", "vllm-router", "vllm-prefill"} <= names
+    assert {"vllm-decode", "mooncake-master"} <= names
+
+
+def test_rank_environment_matches_the_policy_ports(
+    rendered: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """The ranges the policies open are the ones UCX and Mooncake use."""
+    _, docs = rendered
+    rule = _kv_rule(docs, "vllm-decode")
+    ranges = {(p["port"], p.get("endPort")) for p in rule["ports"]}
+    for doc in docs:
+        for _, tmpl in _templates(doc):
+            for c in tmpl["spec"]["containers"]:
+                env = {e["name"]: e.get("value") for e in c.get("env", [])}
+                if "UCX_TLS" not in env:
+                    continue
+                ucx = tuple(int(x) for x in env["UCX_TCP_PORT_RANGE"].split("-"))
+                mc = (int(env["MC_MIN_RPC_PORT"]), int(env["MC_MAX_RPC_PORT"]))
+                assert ucx in ranges and mc in ranges, (c["name"], ranges)
+
+
+def _templates(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    from vllm_mooncake.tools.manifests import pod_templates
+
+    return list(pod_templates(doc))
+
+
+def test_missing_policy_is_caught(base_1p2d: list[dict[str, Any]]) -> None:
+    docs = copy.deepcopy(base_1p2d)
+    docs.remove(_policy(docs, "mooncake-master"))
+    _one(network_policy_problems(docs), "Deployment/mooncake-master", "default deny")
+    docs.remove(_policy(docs, "vllm-pd-default-deny"))
+    problems = network_policy_problems(docs)
+    _one(problems, "no default-deny NetworkPolicy")
+    _one(problems, "Deployment/mooncake-master", "no NetworkPolicy selects it")
+
+
+def test_kv_port_open_to_every_source_is_caught(
+    base_1p2d: list[dict[str, Any]],
+) -> None:
+    docs = copy.deepcopy(base_1p2d)
+    del _kv_rule(docs, "vllm-decode")["from"]
+    _one(network_policy_problems(docs), "StatefulSet/vllm-decode", "every source")
+
+
+def test_kv_port_open_to_the_namespace_is_caught(
+    base_1p2d: list[dict[str, Any]],
+) -> None:
+    docs = copy.deepcopy(base_1p2d)
+    _kv_rule(docs, "vllm-prefill")["from"] = [{"podSelector": {}}]
+    _one(network_policy_problems(docs), "vllm-prefill", "any pod of the namespace")
+
+
+def test_kv_port_open_to_the_router_is_caught(
+    base_1p2d: list[dict[str, Any]],
+) -> None:
+    docs = copy.deepcopy(base_1p2d)
+    router_rule = _policy(docs, "vllm-decode")["spec"]["ingress"][0]
+    router_rule["ports"].append({"protocol": "TCP", "port": "nixl"})
+    _one(network_policy_problems(docs), "KV port(s) 5600", "Deployment/vllm-router")
+
+
+def test_http_port_open_to_other_ranks_is_caught(
+    base_1p2d: list[dict[str, Any]],
+) -> None:
+    docs = copy.deepcopy(base_1p2d)
+    _kv_rule(docs, "vllm-decode")["ports"].append({"protocol": "TCP", "port": "http"})
+    _one(network_policy_problems(docs), "HTTP port is open to StatefulSet/vllm-prefill")
+
+
+def test_store_open_beyond_the_ranks_is_caught(
+    base_1p2d: list[dict[str, Any]],
+) -> None:
+    docs = copy.deepcopy(base_1p2d)
+    rule = _policy(docs, "mooncake-master")["spec"]["ingress"][0]
+    rule["from"].append({"namespaceSelector": {}})
+    _one(network_policy_problems(docs), "mooncake-master", "namespaceSelector")
+    docs = copy.deepcopy(base_1p2d)
+    _policy(docs, "mooncake-master")["spec"]["ingress"].append(
+        {
+            "from": [
+                {
+                    "podSelector": {
+                        "matchLabels": {
+                            "app.kubernetes.io/part-of": "vllm-pd",
+                            "app.kubernetes.io/name": "vllm-router",
+                        }
+                    }
+                }
+            ],
+            "ports": [{"protocol": "TCP", "port": "metrics"}],
+        }
+    )
+    _one(network_policy_problems(docs), "9003", "open to Deployment/vllm-router")
+
+
+def test_rank_without_the_kv_plane_label_is_caught(
+    base_1p2d: list[dict[str, Any]],
+) -> None:
+    docs = copy.deepcopy(base_1p2d)
+    tmpl = _doc(docs, "StatefulSet", "vllm-prefill")["spec"]["template"]
+    del tmpl["metadata"]["labels"]["vllm-mooncake/kv-plane"]
+    _one(network_policy_problems(docs), "StatefulSet/vllm-prefill", "kv-plane")
+
+
+def test_missing_secret_reference_is_caught(base_1p2d: list[dict[str, Any]]) -> None:
+    docs = copy.deepcopy(base_1p2d)
+    router = _doc(docs, "Deployment", "vllm-router")["spec"]["template"]["spec"]
+    router["containers"][0]["env"] = []
+    _one(api_key_problems(docs), "Deployment/vllm-router", "no OPENAI_API_KEY")
+    docs = copy.deepcopy(base_1p2d)
+    decode = _doc(docs, "StatefulSet", "vllm-decode")["spec"]["template"]["spec"]
+    container = decode["containers"][0]
+    container["env"] = [e for e in container["env"] if e["name"] != "VLLM_API_KEY"]
+    _one(api_key_problems(docs), "StatefulSet/vllm-decode", "no VLLM_API_KEY")
+
+
+def test_api_key_not_from_the_secret_is_caught(
+    base_1p2d: list[dict[str, Any]],
+) -> None:
+    docs = copy.deepcopy(base_1p2d)
+    prefill = _doc(docs, "StatefulSet", "vllm-prefill")["spec"]["template"]["spec"]
+    key = _env(prefill["containers"][0], "VLLM_API_KEY")
+    key.pop("valueFrom")
+    key["value"] = "hunter2"
+    _one(api_key_problems(docs), "vllm-prefill", "not read from a Secret")
+
+    docs = copy.deepcopy(base_1p2d)
+    router = _doc(docs, "Deployment", "vllm-router")["spec"]["template"]["spec"]
+    ref = _env(router["containers"][0], "OPENAI_API_KEY")["valueFrom"]
+    ref["secretKeyRef"]["name"] = "another-key"
+    _one(api_key_problems(docs), "different API keys")
+    ref["secretKeyRef"]["name"] = "vllm-api-key"
+    ref["secretKeyRef"]["optional"] = True
+    _one(api_key_problems(docs), "vllm-router", "optional")
+
+    docs = copy.deepcopy(base_1p2d)
+    prefill = _doc(docs, "StatefulSet", "vllm-prefill")["spec"]["template"]["spec"]
+    prefill["containers"][0]["args"][0] += " --api-key hunter2"
+    _one(api_key_problems(docs), "vllm-prefill", "--api-key on the command line")
+
+
+def test_shipped_secret_must_hold_the_key(base_1p2d: list[dict[str, Any]]) -> None:
+    docs = copy.deepcopy(base_1p2d)
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "vllm-api-key"},
+        "stringData": {"api-key": "x"},
+    }
+    assert api_key_problems([*docs, secret]) == []
+    secret["stringData"] = {"token": "x"}
+    _one(api_key_problems([*docs, secret]), "Secret/vllm-api-key", "api-key")
+
+
+def test_multinode_group_rule_stays_inside_the_group() -> None:
+    """The LWS group rule opens every port, but only between the group's pods."""
+    docs = render(K8S / "overlays" / "2p2d-multinode-tp")
+    assert network_policy_problems(docs) == []
+    del _policy(docs, "vllm-decode-group")["spec"]["ingress"][0]["from"]
+    problems = network_policy_problems(docs)
+    _one(problems, "LeaderWorkerSet/vllm-decode.leaderTemplate", "every source")
+    _one(problems, "LeaderWorkerSet/vllm-decode.workerTemplate", "every source")

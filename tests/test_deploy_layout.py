@@ -205,3 +205,70 @@ def test_router_lists_every_rank_with_bootstrap_ports(kv_style: str) -> None:
     assert "--prefill http://127.0.0.1:21101 21301" in text
     assert text.count("--decode ") == 2
     assert "--decode http://127.0.0.1:21201" in text
+
+
+def test_transport_port_ranges_are_the_clusters_own(tmp_path: Any) -> None:
+    """Mooncake's and UCX's listeners pick ports from ranges above the base
+    (the e2e exposure test and the runbook's firewall advice rely on them)."""
+    spec = ClusterSpec(base_port=21000)
+    rank = _by_name(spec, [0, 1])["prefill-0"]
+    env = layout.server_env(rank, cpu=True, cache=tmp_path, ports=spec.ports)
+    assert (env["MC_MIN_RPC_PORT"], env["MC_MAX_RPC_PORT"]) == ("21600", "21699")
+    assert env["UCX_TCP_PORT_RANGE"] == "21700-21999"
+    used = set(all_ports(ClusterSpec(shape="2p2d", base_port=21000)))
+    assert not used & set(range(21600, 22000))
+    assert ClusterSpec(base_port=65535 - layout.PORT_SPAN).ports.ucx_tcp[1] <= 65535
+
+
+# ---- the listening-socket scanner (tools/cluster/sockets.py) --------------------
+def test_proc_net_addresses_decode() -> None:
+    import ipaddress
+
+    from vllm_mooncake.tools.cluster.sockets import Listener, decode_address
+
+    assert decode_address("0100007F") == "127.0.0.1"
+    assert decode_address("00000000") == "0.0.0.0"
+    assert decode_address("00000000000000000000000001000000") == "::1"
+    mapped = decode_address("0000000000000000FFFF00000100007F")
+    assert ipaddress.ip_address(mapped) == ipaddress.ip_address("::ffff:127.0.0.1")
+    assert Listener("tcp", mapped, 1, 1, "p", "o").loopback
+    with pytest.raises(ValueError, match="expected 8 or 32 hex digits"):
+        decode_address("0100")
+
+
+def test_scanner_finds_a_processes_listeners_and_tells_loopback() -> None:
+    """Real sockets of this process: TCP and UDP, loopback and wildcard."""
+    import os
+    import socket
+
+    from vllm_mooncake.tools.cluster.sockets import exposed, listening
+
+    socks = []
+    try:
+        for family, kind, host in [
+            (socket.AF_INET, socket.SOCK_STREAM, "127.0.0.1"),
+            (socket.AF_INET, socket.SOCK_STREAM, "0.0.0.0"),
+            (socket.AF_INET, socket.SOCK_DGRAM, "0.0.0.0"),
+            (socket.AF_INET6, socket.SOCK_STREAM, "::1"),
+        ]:
+            s = socket.socket(family, kind)
+            s.bind((host, 0))
+            if kind == socket.SOCK_STREAM:
+                s.listen()
+            socks.append(s)
+        connected = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        connected.connect(socks[0].getsockname())  # not a listener
+        socks.append(connected)
+        mine = {s.getsockname()[1] for s in socks[:4]}
+        found = [s for s in listening({"me": [os.getpid()]}) if s.port in mine]
+        got = {(s.proto, s.address, s.loopback) for s in found}
+        assert got == {
+            ("tcp", "127.0.0.1", True),
+            ("tcp", "0.0.0.0", False),
+            ("udp", "0.0.0.0", False),
+            ("tcp", "::1", True),
+        }
+        assert {s.address for s in exposed(found)} == {"0.0.0.0"}
+    finally:
+        for s in socks:
+            s.close()

@@ -120,15 +120,16 @@ def reference_outputs(spec: layout.ClusterSpec) -> list[Reference]:
     ]
 
 
-@pytest.fixture(scope="module", params=layout.KV_STYLES)
+@pytest.fixture(scope="session", params=layout.KV_STYLES)
 def cluster(
     request: pytest.FixtureRequest,
     spec: layout.ClusterSpec,
     reference_outputs: list[Reference],
 ) -> Iterator[Cluster]:
     """The cluster, once per KV style: ``mooncake`` (the prefill's KV moves
-    over Mooncake's transfer engine) and ``nixl`` (over NIXL/UCX). pytest
-    runs every test of a style, stops that cluster, then starts the next."""
+    over Mooncake's transfer engine) and ``nixl`` (over NIXL/UCX).
+    Session-scoped, so pytest runs every test of a style, in every module,
+    stops that cluster, then starts the next."""
     # reference_outputs: the reference server has come and gone before this.
     style = str(request.param)
     run = f"{RUN}-{style}"

@@ -8,7 +8,10 @@ what a schema cannot: Service selectors match pods, target ports exist,
 referenced ConfigMaps and keys exist, the router lists exactly the prefill
 and decode pods, the Mooncake store config points at the master Service, and
 every kv_transfer_config in a ConfigMap names the guard connector and passes
-its validation. Exit code 0 when clean, 1 with one line per problem.
+its validation; and that the deployment arrives closed: NetworkPolicies
+(:func:`network_policy_problems`) and the API key from a Secret
+(:func:`api_key_problems`). Exit code 0 when clean, 1 with one line per
+problem.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -260,13 +264,293 @@ def _mooncake_store_problems(
     return []
 
 
+# ---- exposure: NetworkPolicies and the API key ----------------------------------
+PART_OF = "app.kubernetes.io/part-of"
+KV_PLANE_LABEL = "vllm-mooncake/kv-plane"
+HTTP_PORT = "http"
+# Which containers play which part, by what they run.
+ROLE_MARKERS = (
+    ("router", ("vllm-router",)),
+    ("vllm", ("vllm serve", "ray start")),
+    ("master", ("mooncake_master",)),
+)
+# The env var each serving container reads the API key from: vLLM's server
+# (VLLM_API_KEY, like --api-key) and vllm-router, which sends
+# `Authorization: Bearer $OPENAI_API_KEY` on every request it relays in PD mode.
+API_KEY_ENV = {"vllm": "VLLM_API_KEY", "router": "OPENAI_API_KEY"}
+PortRange = tuple[int, int]
+ALL_PORTS: PortRange = (1, 65535)
+
+
+@dataclass(frozen=True)
+class _Pod:
+    """One pod template, with what the exposure checks need of it."""
+
+    where: str  # "StatefulSet/vllm-decode", "LeaderWorkerSet/x.workerTemplate"
+    owner: str  # the workload: "LeaderWorkerSet/x" for both of its templates
+    role: str  # "router" | "vllm" | "master" | "other"
+    labels: dict[str, str]
+    port_names: dict[str, int]
+    template: Doc
+
+
+def _container_text(container: Doc) -> str:
+    return " ".join(
+        str(a) for a in container.get("command", []) + container.get("args", [])
+    )
+
+
+def _role_of(container: Doc) -> str:
+    text = _container_text(container)
+    for role, markers in ROLE_MARKERS:
+        if any(m in text for m in markers):
+            return role
+    return "other"
+
+
+def _pods(docs: list[Doc]) -> list[_Pod]:
+    pods = []
+    for doc in docs:
+        for where, tmpl in pod_templates(doc):
+            containers = _containers(tmpl)
+            roles = [_role_of(c) for c in containers]
+            role = next((r for r, _ in ROLE_MARKERS if r in roles), "other")
+            names = {
+                str(p["name"]): int(p["containerPort"])
+                for c in containers
+                for p in c.get("ports", [])
+                if "name" in p
+            }
+            labels = dict(tmpl.get("metadata", {}).get("labels", {}))
+            pods.append(_Pod(where, _name(doc), role, labels, names, tmpl))
+    return pods
+
+
+def selects(selector: Doc, labels: dict[str, str]) -> bool:
+    """Whether a label selector (matchLabels, matchExpressions) matches."""
+    for key, value in (selector.get("matchLabels") or {}).items():
+        if labels.get(key) != value:
+            return False
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
+        present = key in labels
+        if (
+            (op == "In" and labels.get(key) not in values)
+            or (op == "NotIn" and present and labels[key] in values)
+            or (op == "Exists" and not present)
+            or (op == "DoesNotExist" and present)
+        ):
+            return False
+    return True
+
+
+def _policies_for(pod: _Pod, policies: list[Doc]) -> list[Doc]:
+    """The NetworkPolicies that restrict ``pod``'s ingress."""
+    return [
+        np
+        for np in policies
+        if "Ingress" in np["spec"].get("policyTypes", ["Ingress"])
+        and selects(np["spec"].get("podSelector") or {}, pod.labels)
+    ]
+
+
+def _rule_ports(rule: Doc, pod: _Pod) -> list[PortRange]:
+    """The port ranges an ingress rule opens on ``pod`` (no list: all)."""
+    if not rule.get("ports"):
+        return [ALL_PORTS]
+    out = []
+    for entry in rule["ports"]:
+        port = entry.get("port")
+        if port is None:
+            out.append(ALL_PORTS)
+        elif isinstance(port, str):
+            if port in pod.port_names:  # a name the pod lacks opens nothing
+                number = pod.port_names[port]
+                out.append((number, number))
+        else:
+            out.append((int(port), int(entry.get("endPort", port))))
+    return out
+
+
+def _show(ranges: list[PortRange]) -> str:
+    if ALL_PORTS in ranges:
+        return "every port"
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
+
+
+def _peer(peer: Doc, pods: list[_Pod]) -> tuple[list[_Pod] | None, str]:
+    """The deployment's pods a ``from`` entry admits, with its description;
+    None when it admits anything beyond the deployment's pods."""
+    if "ipBlock" in peer:
+        return None, f"ipBlock {peer['ipBlock'].get('cidr')}"
+    if "namespaceSelector" in peer:
+        return None, "a namespaceSelector (pods of other namespaces)"
+    selector = peer.get("podSelector") or {}
+    match = selector.get("matchLabels") or {}
+    if PART_OF not in match:
+        return None, (
+            f"podSelector {match or '{}'} (any pod of the namespace: pin it to "
+            f"the deployment with {PART_OF})"
+        )
+    return [p for p in pods if selects(selector, p.labels)], f"podSelector {match}"
+
+
+def _pod_http_port(pod: _Pod) -> int | None:
+    return pod.port_names.get(HTTP_PORT)
+
+
+def _covers(ranges: list[PortRange], port: int | None) -> bool:
+    return port is not None and any(a <= port <= b for a, b in ranges)
+
+
+def _only(ranges: list[PortRange], port: int | None) -> bool:
+    return port is not None and all(a == b == port for a, b in ranges)
+
+
+def _admission_problems(pod: _Pod, policy: Doc, pods: list[_Pod]) -> list[str]:
+    """What one policy lets reach ``pod`` that it should not."""
+    problems = []
+    http = _pod_http_port(pod)
+    for rule in policy["spec"].get("ingress") or []:
+        ranges = _rule_ports(rule, pod)
+        if not ranges:
+            continue
+        shown = f"port(s) {_show(ranges)} of {pod.where} (NetworkPolicy/"
+        shown += f"{policy['metadata']['name']})"
+        for peer in rule.get("from") or [{"ipBlock": {"cidr": "every source"}}]:
+            admitted, desc = _peer(peer, pods)
+            if admitted is None:
+                if pod.role == "router" and _only(ranges, http):
+                    continue  # the API entry point: open to its clients
+                problems.append(f"{shown} open to {desc}")
+                continue
+            for other in admitted:
+                problems += _peer_problems(pod, other, ranges, shown, http)
+    return problems
+
+
+def _peer_problems(
+    pod: _Pod, other: _Pod, ranges: list[PortRange], shown: str, http: int | None
+) -> list[str]:
+    """Whether ``other`` (a pod of the deployment) may reach those ports."""
+    if pod.role == "vllm":
+        kv = [r for r in ranges if not (r[0] == r[1] == http)]
+        if _covers(ranges, http) and not (
+            other.role == "router" or other.owner == pod.owner
+        ):
+            return [
+                f"{shown}: the vLLM HTTP port is open to {other.where}; "
+                "only the router may reach it"
+            ]
+        if kv and other.role != "vllm":
+            return [
+                f"{shown}: KV port(s) {_show(kv)} open to {other.where}; "
+                "only the deployment's vLLM pods may reach them"
+            ]
+    elif pod.role == "master" and other.role != "vllm":
+        return [f"{shown} open to {other.where}; only vLLM pods may reach it"]
+    return []
+
+
+def network_policy_problems(docs: list[Doc]) -> list[str]:
+    """The deployment arrives closed: every pod is under a NetworkPolicy, a
+    default deny covers them all, vLLM's HTTP port admits only the router,
+    the KV ports and mooncake_master only the deployment's vLLM pods."""
+    pods = _pods(docs)
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    problems = []
+    if not any(
+        not np["spec"].get("ingress")
+        and all(np in _policies_for(p, policies) for p in pods)
+        for np in policies
+    ):
+        problems.append(
+            "no default-deny NetworkPolicy (Ingress, no rules) selects every pod "
+            f"of the deployment (select them by {PART_OF})"
+        )
+    for pod in pods:
+        mine = _policies_for(pod, policies)
+        if not mine:
+            problems.append(
+                f"{pod.where}: no NetworkPolicy selects it; every pod of the "
+                "cluster can reach every port of it"
+            )
+            continue
+        if pod.role != "other" and not any(np["spec"].get("ingress") for np in mine):
+            problems.append(
+                f"{pod.where}: no NetworkPolicy of its own opens what its "
+                "clients need (only a default deny selects it)"
+            )
+        if pod.role == "vllm" and pod.labels.get(KV_PLANE_LABEL) != "true":
+            problems.append(
+                f"{pod.where}: runs vLLM without the label {KV_PLANE_LABEL}: "
+                '"true", so the other ranks cannot reach its KV ports'
+            )
+        for np in mine:
+            problems += _admission_problems(pod, np, pods)
+    return problems
+
+
+def api_key_problems(docs: list[Doc]) -> list[str]:
+    """The router and every vLLM server read one API key from one Secret."""
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    problems = []
+    refs: dict[str, tuple[str, str]] = {}
+    for pod in _pods(docs):
+        for c in _containers(pod.template):
+            role = _role_of(c)
+            if role not in API_KEY_ENV or "ray start" in _container_text(c):
+                continue  # a Ray worker serves no API
+            where = f"{pod.where} container {c.get('name')}"
+            var = API_KEY_ENV[role]
+            if "--api-key" in _container_text(c):
+                problems.append(
+                    f"{where}: --api-key on the command line is readable in the "
+                    f"pod spec; read {var} from the Secret instead"
+                )
+            env = {e["name"]: e for e in c.get("env", [])}
+            if var not in env:
+                problems.append(
+                    f"{where}: no {var} from a Secret (valueFrom.secretKeyRef): "
+                    "its API takes requests without a key"
+                )
+                continue
+            ref = env[var].get("valueFrom", {}).get("secretKeyRef")
+            if ref is None:
+                problems.append(f"{where}: {var} is not read from a Secret")
+            elif ref.get("optional"):
+                problems.append(
+                    f"{where}: {var} is optional: the container would start "
+                    "without a key; drop `optional: true`"
+                )
+            else:
+                refs[where] = (str(ref.get("name")), str(ref.get("key")))
+    if len(set(refs.values())) > 1:
+        problems.append(
+            "the router and the ranks read different API keys "
+            f"({sorted(set(refs.values()))}): the ranks would refuse the router"
+        )
+    for name, key in sorted(set(refs.values())):
+        secret = secrets.get(name)
+        data = {
+            **(secret or {}).get("data", {}),
+            **(secret or {}).get("stringData", {}),
+        }
+        if secret is not None and key not in data:
+            problems.append(f"Secret/{name} has no key {key!r}")
+    return problems
+
+
 def check_docs(docs: list[Doc]) -> list[str]:
+    """Every check, one line per problem."""
     return (
         schema_problems(docs)
         + service_problems(docs)
         + config_map_problems(docs)
         + router_problems(docs)
         + guard_config_problems(docs)
+        + network_policy_problems(docs)
+        + api_key_problems(docs)
     )
 
 

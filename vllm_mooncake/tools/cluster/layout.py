@@ -16,7 +16,16 @@ NIXL side channel, P i     base + 400 + i
 NIXL side channel, D j     base + 450 + j
 router Prometheus          base + 500
 reference server (tests)   base + 550
+Mooncake transfer engine   base + 600 .. base + 699
+UCX (NIXL) TCP listeners   base + 700 .. base + 999
 =========================  =================
+
+Every listener is bound to :data:`HOST` except the Mooncake transfer
+engine's two per rank (its P2P handshake and its TCP data port): Mooncake
+binds them to the wildcard address whatever it is told, so the launcher
+confines them to a port range of their own (``MC_MIN_RPC_PORT`` /
+``MC_MAX_RPC_PORT``) that a host firewall can close (docs/runbook.md,
+"Exposure: what listens where").
 
 Every rank runs ``WedgeGuardConnector`` over [MooncakeConnector, NixlConnector]
 (the README's connector configuration). Which child moves a request's KV is
@@ -40,6 +49,7 @@ HOST = "127.0.0.1"
 DEFAULT_BASE_PORT = 18000
 SHAPES: dict[str, tuple[int, int]] = {"1p1d": (1, 1), "1p2d": (1, 2), "2p2d": (2, 2)}
 KV_STYLES = ("mooncake", "nixl")
+PORT_SPAN = 1000  # ports above the base a cluster may use (see the table)
 SERVED_MODEL_NAME = "tiny"
 
 # Environment every vLLM rank gets: offline, no telemetry, loopback only.
@@ -94,6 +104,16 @@ class Ports:
         """A plain single server the end-to-end tests compare outputs with."""
         return self.base + 550
 
+    @property
+    def mooncake_rpc(self) -> tuple[int, int]:
+        """First and last port the ranks' Mooncake transfer engines may use."""
+        return self.base + 600, self.base + 699
+
+    @property
+    def ucx_tcp(self) -> tuple[int, int]:
+        """First and last port of the ranks' UCX TCP listeners (NIXL)."""
+        return self.base + 700, self.base + 999
+
 
 @dataclass(frozen=True)
 class ClusterSpec:
@@ -122,8 +142,10 @@ class ClusterSpec:
             raise ValueError(f"shape {self.shape!r}: use one of {sorted(SHAPES)}")
         if self.kv_style not in KV_STYLES:
             raise ValueError(f"kv_style {self.kv_style!r}: use one of {KV_STYLES}")
-        if not 1024 <= self.base_port <= 65535 - 600:
-            raise ValueError(f"base_port {self.base_port}: use 1024..{65535 - 600}")
+        if not 1024 <= self.base_port <= 65535 - PORT_SPAN:
+            raise ValueError(
+                f"base_port {self.base_port}: use 1024..{65535 - PORT_SPAN}"
+            )
 
     @property
     def num_prefill(self) -> int:
@@ -313,10 +335,22 @@ def _api_server_argv(spec: ClusterSpec, model: str, port: int, cpu: bool) -> lis
     return argv
 
 
-def server_env(rank: Rank, cpu: bool, cache: Path) -> dict[str, str]:
-    """Environment additions for ``rank`` (on top of the caller's)."""
+def server_env(
+    rank: Rank, cpu: bool, cache: Path, ports: Ports | None = None
+) -> dict[str, str]:
+    """Environment additions for ``rank`` (on top of the caller's).
+
+    With ``ports``, the rank's Mooncake transfer engine and UCX pick their
+    listening ports from the cluster's ranges (:attr:`Ports.mooncake_rpc`,
+    :attr:`Ports.ucx_tcp`) instead of Mooncake's 15000-17000 and any port.
+    """
     env = reference_env(cpu, cache)
     env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(rank.nixl_port)
+    if ports is not None:
+        first, last = ports.mooncake_rpc
+        env["MC_MIN_RPC_PORT"] = str(first)
+        env["MC_MAX_RPC_PORT"] = str(last)
+        env["UCX_TCP_PORT_RANGE"] = "{}-{}".format(*ports.ucx_tcp)
     if cpu:
         env["VLLM_CPU_OMP_THREADS_BIND"] = rank.cpus
     else:

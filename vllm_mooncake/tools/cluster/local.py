@@ -180,7 +180,7 @@ def up(
 
         servers = []
         for r in rank_list:
-            renv = {**env, **layout.server_env(r, cpu, cache)}
+            renv = {**env, **layout.server_env(r, cpu, cache, spec.ports)}
             pin = f" on CPUs {r.cpus}" if r.cpus else ""
             say(f"[up] starting {r.name} at {r.url}{pin}")
             servers.append(
