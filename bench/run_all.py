@@ -1,4 +1,4 @@
-"""Every benchmark of issue #4 and the stress run of issue #6, one after another.
+"""Every simulator benchmark and the stress run, one after another.
 
 ::
 

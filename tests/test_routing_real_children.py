@@ -13,10 +13,13 @@ receive as finished only when a test injects it with
 workers to do is visible in the per-child connector metadata of each step
 (``scheduler_output.kv_connector_metadata.metadata[i]``).
 
-The rank is a decode rank (``kv_role="kv_consumer"``, as in the P/D runs of
-shared/research/cpu-pd-e2e.md section 4c). NIXL gets
-``kv_buffer_device="cpu"`` and Mooncake ``mooncake_protocol="tcp"``, as in
-shared/research/cpu-install.md section 5.
+The rank is a decode rank (``kv_role="kv_consumer"``, the receiving side of a
+P/D pair). NIXL gets ``kv_buffer_device="cpu"`` and Mooncake
+``mooncake_protocol="tcp"``: the settings both need on a host without a GPU
+or RDMA (the local cluster in ``vllm_mooncake/tools/cluster`` runs them so).
+Stock MultiConnector hands a Mooncake-style request to the child listed
+first when both key on ``do_remote_prefill``; NIXL then asserts on the
+missing NIXL fields -- the routing the guard fixes.
 
 Two tests guard fixes found this way: the owning child is told about the
 allocation first (NIXL, running first with 0 tokens, used to consume the

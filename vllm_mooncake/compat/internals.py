@@ -1,4 +1,8 @@
-"""Every private vLLM name the guard touches, in one place.
+"""Every private vLLM name the project touches, in one place.
+
+The guard's scheduler internals, and what the plugin and the CPU
+compatibility patch wrap or read (``VllmConfig.__post_init__``,
+``KVConnectorFactory._registry``, ``NixlBaseConnectorWorker.__init__``).
 
 Each entry says what we use it for. ``tests/test_internals.py`` checks every
 one against the installed vLLM and fails by name when a release changes one;
@@ -11,6 +15,8 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass
+
+from vllm_mooncake.compat.cpu import NIXL_WORKER_CLASS, NIXL_WORKER_MODULE
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,9 @@ class Internal:
 SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
 MULTI = "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector.MultiConnector"
 KV_MANAGER = "vllm.v1.core.kv_cache_manager.KVCacheManager"
+VLLM_CONFIG = "vllm.config.VllmConfig"
+FACTORY = "vllm.distributed.kv_transfer.kv_connector.factory.KVConnectorFactory"
+NIXL_WORKER = f"{NIXL_WORKER_MODULE}.{NIXL_WORKER_CLASS}"
 
 LATEST = ("0.32",)  # the newest proven release: baseline of the source check
 NEW = ("0.31",) + LATEST  # the kv_holding_waiting layout (0.31+)
@@ -120,6 +129,23 @@ INTERNALS: tuple[Internal, ...] = (
     # -- MultiConnector (guard/connector.py)
     _attr(MULTI, "_connectors", "the child connectors, for routing"),
     _attr(MULTI, "_requests_to_connector", "which child loads a request"),
+    # -- patched or read outside the scheduler
+    _method(
+        VLLM_CONFIG,
+        "__post_init__",
+        "wrapped once per process: picks the guarded scheduler (plugin.py)",
+    ),
+    _attr(
+        FACTORY,
+        "_registry",
+        "read: names the registered connectors in a config error (guard/config.py)",
+    ),
+    _method(
+        NIXL_WORKER,
+        "__init__",
+        "wrapped on CPU hosts: NIXL's threads keep the CPU affinity (compat/cpu.py)",
+        ("vllm_config",),
+    ),
 )
 
 

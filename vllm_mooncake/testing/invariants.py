@@ -7,7 +7,7 @@ holds); :class:`InvariantChecker` runs them all around every
 :meth:`SchedulerDriver.step` and raises :class:`InvariantViolation`, naming
 the invariant, at the first step that breaks one.
 
-The invariants (issue #6):
+The invariants:
 
 ``blocks``     block conservation: every usable block is either free or
                referenced, ``ref_cnt`` equals the references held by live

@@ -2,7 +2,7 @@
 
 Each scenario is a rank shape, a load-failure policy and a list of arrivals
 (which step a request arrives at, its prompt, and its scripted load). They
-come from ../shared/research/vllm-scheduler-versions.md, section 2, with a
+are the block-level layouts of ``docs/vllm-scheduler-by-release.md``, with a
 pool of 100 usable blocks of 16 tokens and 2048-token chunks:
 
 * ``seed``  -- the two-owner wedge of the original lateral-preemption PR. A
