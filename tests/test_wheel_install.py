@@ -47,7 +47,8 @@ def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ignore=shutil.ignore_patterns("__pycache__"),
     )
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    _run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", "dist", "./src"], tmp)
+    build = ["wheel", "--no-deps", "--no-build-isolation", "-w", "dist", "./src"]
+    _run([*pip, *build], tmp)
     (wheel,) = (tmp / "dist").glob("vllm_mooncake-*.whl")
     venv = tmp / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], tmp)
