@@ -1,0 +1,126 @@
+"""The guard's scheduler side through its narrow API, without a vLLM scheduler.
+
+:class:`GuardSchedulerSide` reads requests and blocks by attribute only, so
+plain stand-ins drive it here: this is the API the guarded scheduler uses
+(route, record a lookup and an allocation, pick a victim, report the lateral
+preemption, observe a step). The same paths run on vLLM's real scheduler in
+tests/test_guard_wedges.py and tests/test_guard_scheduler_rules.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from vllm_mooncake.guard.config import GuardConfig
+from vllm_mooncake.guard.ledger import HolderView, VictimReason, WaitStatus
+from vllm_mooncake.guard.routing import ChildRouter
+from vllm_mooncake.guard.scheduler_side import (
+    UNROUTABLE,
+    GuardSchedulerSide,
+    StepObservation,
+)
+
+
+class Store:
+    """Claims no transfer params (a prefix store)."""
+
+
+class Nixl:
+    def claim_keys(self) -> frozenset[str]:
+        return frozenset({"remote_block_ids"})
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    kv_transfer_params: dict[str, Any] | None = None
+    num_computed_tokens: int = 0
+
+
+@dataclass
+class FakeBlocks:
+    ids: list[int] = field(default_factory=list)
+
+    @property
+    def blocks(self) -> list[int]:
+        return self.ids
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+
+def _side(**config: Any) -> tuple[GuardSchedulerSide, dict[str, int]]:
+    mapping: dict[str, int] = {}
+    router = ChildRouter.for_children([Store(), Nixl()])
+    side = GuardSchedulerSide(GuardConfig(**config), router, mapping, block_size=16)
+    return side, mapping
+
+
+def _recv_done(req_id: str, blocks: int) -> HolderView:
+    return HolderView(req_id, WaitStatus.WAITING_FOR_REMOTE_KVS, 0, blocks, True)
+
+
+def test_route_by_transfer_params_and_record_the_owner() -> None:
+    side, mapping = _side()
+    nixl_req = FakeRequest("n", {"do_remote_prefill": True, "remote_block_ids": [1]})
+    assert side.route(nixl_req, 0) == 1
+    side.record_lookup("n", 1, 32, True)
+    assert mapping == {"n": 1}
+    assert side.owner_first("n", 2) == [1, 0]
+    # A remote prefill that names no child is computed locally, and counted.
+    stray = FakeRequest("x", {"do_remote_prefill": True})
+    side.on_arrival("x")
+    assert side.route(stray, 0) == UNROUTABLE
+    assert side.stats.unroutable_requests == 1
+    assert "x" not in mapping
+
+
+def test_victim_is_the_recv_done_holder_and_the_preemption_is_counted() -> None:
+    side, mapping = _side()
+    for req_id in ("A", "B"):
+        side.on_arrival(req_id)
+    side.record_lookup("B", 1, 800, True)
+    side.record_alloc(FakeRequest("B"), FakeBlocks(list(range(50))), 800)
+    side.ledger.accept_recv_complete("B", failed=False)
+    victim = side.pick_victim([_recv_done("B", 50)], target="A")
+    assert victim is not None and victim.req_id == "B"
+    assert victim.reason is VictimReason.RECV_DONE and victim.owner == "Nixl"
+    side.on_lateral_preemption(victim)
+    assert "B" not in mapping
+    assert side.stats.lateral_preemptions == {("recv_done", "Nixl"): 1}
+    assert not side.has_executed("B")
+    # The admission target itself is never its own victim.
+    assert side.pick_victim([_recv_done("B", 50)], target="B") is None
+
+
+def test_alarm_fires_once_per_stall_and_rearms(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    side, _ = _side(stall_alarm_steps=3)
+    idle = StepObservation(scheduled_tokens=0, num_running=0, lateral=())
+    busy = StepObservation(scheduled_tokens=8, num_running=1, lateral=())
+    holders = [_recv_done("B", 50)]
+    caplog.set_level(logging.ERROR, logger="vllm_mooncake.guard.scheduler_side")
+    for _ in range(5):
+        side.observe_step(idle, holders)
+    assert side.stats.wedges_detected == 1
+    assert side.stats.stalled_steps == 5
+    assert side.stats.recv_done_holders_waiting == 1
+    assert side.stats.blocks_held_by_non_running == 50
+    side.observe_step(busy, [])
+    assert side.stats.stalled_steps == 0
+    for _ in range(3):
+        side.observe_step(idle, holders)
+    assert side.stats.wedges_detected == 2
+    alarms = [r for r in caplog.records if "wedge alarm" in r.getMessage()]
+    assert len(alarms) == 2
+
+
+def test_no_stall_is_counted_without_waiting_holders() -> None:
+    side, _ = _side(stall_alarm_steps=1)
+    side.observe_step(StepObservation(0, 0, ()), [])
+    assert side.stats.stalled_steps == 0 and side.stats.wedges_detected == 0
