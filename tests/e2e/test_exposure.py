@@ -72,9 +72,10 @@ def _expected_loopback(cluster: Cluster) -> dict[str, set[int]]:
     return out
 
 
-@pytest.fixture()
+@pytest.fixture(scope="session")
 def listeners(cluster: Cluster) -> list[Listener]:
-    """The cluster's listening sockets after one request went through it."""
+    """The cluster's listening sockets after one request went through it
+    (scanned once per KV style)."""
     out = complete(cluster.router_url, "Which sockets are open?", 4)
     assert out.token_ids, out.raw
     found = run_listeners(cluster.run_dir)

@@ -295,12 +295,14 @@ class _Pod:
 
 
 def _container_text(container: Doc) -> str:
+    """The container's command line, as one string."""
     return " ".join(
         str(a) for a in container.get("command", []) + container.get("args", [])
     )
 
 
 def _role_of(container: Doc) -> str:
+    """router / vllm / master / other, by what the container runs."""
     text = _container_text(container)
     for role, markers in ROLE_MARKERS:
         if any(m in text for m in markers):
@@ -309,6 +311,7 @@ def _role_of(container: Doc) -> str:
 
 
 def _pods(docs: list[Doc]) -> list[_Pod]:
+    """Every pod template of the render, with its role, labels and ports."""
     pods = []
     for doc in docs:
         for where, tmpl in pod_templates(doc):
@@ -396,6 +399,7 @@ def _peer(peer: Doc, pods: list[_Pod]) -> tuple[list[_Pod] | None, str]:
 
 
 def _pod_http_port(pod: _Pod) -> int | None:
+    """The number of the pod's container port named ``http``, if any."""
     return pod.port_names.get(HTTP_PORT)
 
 
