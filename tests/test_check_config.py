@@ -123,6 +123,16 @@ BAD: dict[str, tuple[dict[str, Any], str, str]] = {
         "wedge_guard.max_attempts: expected an integer, got '16' (str)",
         "write e.g. 16",
     ),
+    "max_failed_loads too low": (
+        _with_guard({"max_failed_loads": 0}),
+        "wedge_guard.max_failed_loads: 0 is out of range",
+        "use 1..1000",
+    ),
+    "max_failed_loads type": (
+        _with_guard({"max_failed_loads": 2.5}),
+        "wedge_guard.max_failed_loads: expected an integer, got 2.5 (float)",
+        "write e.g. 3",
+    ),
     "bool type": (
         _with_guard({"strict": "yes"}),
         "wedge_guard.strict: expected true or false",
@@ -271,7 +281,8 @@ def test_check_config_input_errors(
 
 def test_check_returns_a_summary_or_the_error() -> None:
     assert check({"kv_transfer_config": guarded("lateral")}).startswith(
-        "policy=lateral max_attempts=16 children=[ScriptedLoadConnector, "
+        "policy=lateral max_attempts=16 max_failed_loads=3 "
+        "children=[ScriptedLoadConnector, "
     )
     assert check_kv_transfer_config(guarded()) is None
     config, field, _ = BAD["unknown policy"]

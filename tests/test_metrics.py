@@ -35,13 +35,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+from vllm.v1.request import RequestStatus
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from vllm_mooncake import CONNECTOR_NAME
 from vllm_mooncake.guard.connector import WedgeGuardConnector
 from vllm_mooncake.guard.metrics import GUARD_STATS_KEY, GuardKVConnectorStats
 from vllm_mooncake.guard.stats import GuardStats
-from vllm_mooncake.testing.configs import guarded, pd_transfer
+from vllm_mooncake.testing.configs import guarded, pd_transfer, store_hit
 from vllm_mooncake.testing.driver import SchedulerDriver, StepResult
 from vllm_mooncake.testing.wedges import W1, play
 
@@ -339,3 +340,37 @@ def test_contained_child_fault_reaches_prometheus() -> None:
         )
         == 1
     )
+
+
+# ---- the load-retry budget and ledger disagreements on /metrics --------------------
+def test_load_retry_cutoff_and_ledger_disagreement_reach_prometheus() -> None:
+    """A store that always fails (recompute: cut off after 3 loads) and a
+    receive vLLM waits on that the ledger never saw start (passed on)."""
+    d = SchedulerDriver.build(W1.shape, guarded(kv_load_failure_policy="recompute"))
+    d.add("S", 64, max_tokens=2, kv_transfer_params=store_hit(64, 1, outcome="fail"))
+    r = d.add("R", 32, max_tokens=2)
+    r.status = RequestStatus.WAITING_FOR_REMOTE_KVS  # started unseen by the ledger
+    results = [d.step(finished_recving={"R"})]
+    results += d.run(60)
+    assert d.finished == {"S": "length", "R": "length"}
+    registry = CollectorRegistry()
+    prom = prom_in(registry)(d.scheduler.vllm_config, LABELNAMES, ENGINE_LABELS)
+    for payload in reported_payloads(results):
+        prom.observe(payload, 0)
+    exposition = generate_latest(registry).decode()
+    parsed = samples(exposition)
+    cutoffs = "vllm:kv_guard_load_retry_cutoffs_total"
+    assert value(parsed, cutoffs, child="ScriptedLoadConnector[0]") == 1
+    disagreements = "vllm:kv_guard_ledger_disagreements_total"
+    assert value(parsed, disagreements, kind="no_recv") == 1
+    for kind in ("no_entry", "not_awaited"):  # exposed at 0 from the start
+        assert value(parsed, disagreements, kind=kind) == 0
+    assert "# HELP vllm:kv_guard_load_retry_cutoffs_total" in exposition
+    assert "# HELP vllm:kv_guard_ledger_disagreements_total" in exposition
+    total = GuardKVConnectorStats()
+    for payload in reported_payloads(results):
+        rebuilt = WedgeGuardConnector.build_kv_connector_stats(payload)
+        assert rebuilt is not None
+        total.aggregate(rebuilt.data[GUARD_STATS_KEY])
+    assert total.reduce()["Load retry cutoffs"] == 1
+    assert total.reduce()["Ledger disagreements"] == 1

@@ -8,7 +8,7 @@
          "connectors": [<Mooncake child>, <NIXL child>],
          "wedge_guard": {"policy": "reserve+lateral", "max_attempts": 16,
                          "stall_alarm_steps": 2000, "only_when_idle": true,
-                         "strict": false}}}
+                         "max_failed_loads": 3, "strict": false}}}
 
 Every error names the field and says how to fix it, and is raised at start-up
 (when vLLM builds the connector), before any request is accepted.
@@ -61,6 +61,7 @@ POLICY_NAMES = tuple(p.value for p in Policy)
 # (bench/throughput.py; figures in bench/RESULTS.md and README, Benchmarks).
 DEFAULT_POLICY = Policy.RESERVE_LATERAL
 MAX_ATTEMPTS_RANGE = (1, 1024)
+MAX_FAILED_LOADS_RANGE = (1, 1000)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,11 @@ class GuardConfig:
     # Fire the valve only when nothing is running (a stall with running
     # requests ends by itself when they free blocks).
     only_when_idle: bool = True
+    # Failed loads of one request from one child before the guard reports no
+    # external hit for it (the request is then prefilled locally): a store
+    # that keeps failing a load under kv_load_failure_policy=recompute would
+    # otherwise be offered it forever.
+    max_failed_loads: int = 3
     # Raise on a ledger inconsistency instead of logging it (tests).
     strict: bool = False
 
@@ -92,6 +98,7 @@ class GuardConfig:
             "max_attempts",
             "stall_alarm_steps",
             "only_when_idle",
+            "max_failed_loads",
             "strict",
         }
         unknown = sorted(set(raw) - known)
@@ -109,6 +116,9 @@ class GuardConfig:
                 raw, "stall_alarm_steps", cls.stall_alarm_steps, 1, 10**9
             ),
             only_when_idle=_bool(raw, "only_when_idle", cls.only_when_idle),
+            max_failed_loads=_int_in(
+                raw, "max_failed_loads", cls.max_failed_loads, *MAX_FAILED_LOADS_RANGE
+            ),
             strict=_bool(raw, "strict", cls.strict),
         )
 

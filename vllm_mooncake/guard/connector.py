@@ -10,7 +10,9 @@ which holds every piece of the guard's state:
 vLLM hook                  scheduler side
 =========================  ============================================
 on_new_request             on_arrival
-get_num_new_matched_tokens route, record_lookup (owner child, async or not)
+get_num_new_matched_tokens route, within_retry_budget (no hit past
+                           max_failed_loads), record_lookup (owner child,
+                           async or not)
 update_state_after_alloc   owner_first, record_alloc (receive in flight if
                            async)
 build_connector_meta       observe_scheduler_output (scheduled / preempted)
@@ -119,6 +121,8 @@ class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
             )
         if num_tokens is None:
             return None, False
+        if not side.within_retry_budget(request.request_id, owner, num_tokens):
+            num_tokens, is_async, owner = 0, False, None  # computed locally
         side.record_lookup(request.request_id, owner, num_tokens, is_async)
         return num_tokens, is_async
 

@@ -9,8 +9,15 @@ victim. Life cycle of a request, as the ledger sees it::
                                         child and whether the load is async)
     3. allocated   on_alloc            (update_state_after_alloc)
                    -> recv IN_FLIGHT if an async load started
-    4. received    on_recv_complete    (update_connector_output)
-                   -> recv DONE or FAILED; duplicates and late notices dropped
+    4. received    accept_recv_complete (update_from_output, before vLLM
+                                        reads the notices)
+                   -> recv DONE or FAILED; duplicates and late notices dropped,
+                   unless vLLM still waits on the notice: then vLLM's state
+                   wins (overrule_recv_complete) and the disagreement is
+                   counted
+                   on_load_failed      (a failed or partly invalid load):
+                   counts toward the owner's load-retry budget; past it the
+                   request is computed locally (cut_off)
     5. promoted / running
                    on_scheduled        (build_connector_meta: the worker now
                                         knows the request; ``executed`` is set)
@@ -31,7 +38,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ReqId = str
 
@@ -80,6 +87,10 @@ class LedgerEntry:
     executed: bool = False  # ever sent to the worker as a new request
     finished: bool = False  # finished while a receive was in flight
     pending_async: bool = False  # the last lookup offered an async load
+    # child -> loads of this request from that child that failed
+    failed_loads: dict[str, int] = field(default_factory=dict)
+    # children whose hits this request no longer takes (retry budget spent)
+    cut_off: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -100,6 +111,18 @@ class Victim:
     owner: str | None
     num_blocks: int
     num_computed_tokens: int
+
+
+class Disagreement(enum.Enum):
+    """How the ledger and vLLM disagreed on a receive notice (vLLM wins)."""
+
+    # vLLM waits on the notice; the ledger has no entry for the request
+    # (never saw it, or removed it when the request finished).
+    NO_ENTRY = "no_entry"
+    # vLLM waits on the notice; the ledger saw no receive in flight.
+    NO_RECV = "no_recv"
+    # The ledger expects the notice; vLLM no longer waits on it.
+    NOT_AWAITED = "not_awaited"
 
 
 @dataclass
@@ -246,6 +269,49 @@ class BlockLedger:
         entry.recv = RecvState.FAILED if failed else RecvState.DONE
         if entry.finished:
             self._remove(req_id)  # its blocks are freed by vLLM now
+        return True
+
+    def expects_recv(self, req_id: ReqId) -> bool:
+        """Whether a receive notice for ``req_id`` would be accepted."""
+        entry = self._entries.get(req_id)
+        return entry is not None and entry.recv is RecvState.IN_FLIGHT
+
+    def overrule_recv_complete(self, req_id: ReqId, failed: bool) -> Disagreement:
+        """vLLM waits on this notice though the ledger would drop it.
+
+        vLLM's state wins: the notice is passed on (vLLM promotes the request,
+        or frees the blocks of one that finished), and the entry, if any,
+        takes the completion so its candidate rule matches vLLM again.
+        """
+        entry = self._entries.get(req_id)
+        if entry is None:
+            return Disagreement.NO_ENTRY
+        entry.recv = RecvState.FAILED if failed else RecvState.DONE
+        return Disagreement.NO_RECV
+
+    # ---- the load-retry budget --------------------------------------------------
+    def on_load_failed(self, req_id: ReqId) -> tuple[str, int] | None:
+        """A load of ``req_id`` failed: (owning child, its failures so far).
+
+        None for a request with no entry or no owner (nothing to budget).
+        """
+        entry = self._entries.get(req_id)
+        if entry is None or entry.owner is None:
+            return None
+        n = entry.failed_loads.get(entry.owner, 0) + 1
+        entry.failed_loads[entry.owner] = n
+        return entry.owner, n
+
+    def failed_loads(self, req_id: ReqId, owner: str) -> int:
+        entry = self._entries.get(req_id)
+        return 0 if entry is None else entry.failed_loads.get(owner, 0)
+
+    def cut_off(self, req_id: ReqId, owner: str) -> bool:
+        """Stop taking ``owner``'s hits for ``req_id``; True the first time."""
+        entry = self._entries.get(req_id)
+        if entry is None or owner in entry.cut_off:
+            return False
+        entry.cut_off.add(owner)
         return True
 
     def on_preempted(self, req_id: ReqId) -> None:

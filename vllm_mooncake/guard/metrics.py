@@ -113,6 +113,9 @@ GAUGE_METRICS: tuple[tuple[str, str, str], ...] = (
 LATERAL_PREEMPTIONS_METRIC = "vllm:kv_guard_lateral_preemptions"
 DROPPED_RECV_NOTICES_METRIC = "vllm:kv_guard_dropped_recv_notices"
 CHILD_ERRORS_METRIC = "vllm:kv_guard_child_errors"
+LEDGER_DISAGREEMENTS_METRIC = "vllm:kv_guard_ledger_disagreements"
+LOAD_RETRY_CUTOFFS_METRIC = "vllm:kv_guard_load_retry_cutoffs"
+DISAGREEMENT_KINDS = ("no_entry", "no_recv", "not_awaited")
 
 
 @dataclass
@@ -175,6 +178,8 @@ class GuardKVConnectorStats(KVConnectorStats):  # type: ignore[misc]
             "Dropped recv notices": sum(stats.dropped_recv_notices.values()),
             "Unroutable requests": stats.unroutable_requests,
             "Child connector errors": sum(stats.child_errors.values()),
+            "Ledger disagreements": sum(stats.ledger_disagreements.values()),
+            "Load retry cutoffs": sum(stats.load_retry_cutoffs.values()),
             "Ledger errors": stats.ledger_errors,
             "Recv-done holders waiting": stats.recv_done_holders_waiting,
             "Blocks held by non-running": stats.blocks_held_by_non_running,
@@ -287,10 +292,30 @@ class GuardPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             "request_finished (blocks freed).",
             labelnames=[*labelnames, "child", "hook"],
         )
+        self._ledger_disagreements = self._counter_cls(
+            name=LEDGER_DISAGREEMENTS_METRIC,
+            documentation="Number of KV receive-completion notices on which the "
+            "KV wedge guard's ledger and the scheduler disagreed; the scheduler's "
+            "state won and the request ended normally. kind: no_entry or no_recv "
+            "(the scheduler waited on a notice the ledger had no entry or no "
+            "receive for: passed on) or not_awaited (the ledger expected a "
+            "notice the scheduler no longer waits on: dropped).",
+            labelnames=[*labelnames, "kind"],
+        )
+        self._load_retry_cutoffs = self._counter_cls(
+            name=LOAD_RETRY_CUTOFFS_METRIC,
+            documentation="Number of requests whose KV loads from one child KV "
+            "connector failed max_failed_loads times; the KV wedge guard then "
+            "reported no external hit for them and they were prefilled locally. "
+            "child: the connector whose loads failed.",
+            labelnames=[*labelnames, "child"],
+        )
         # The kinds are known: expose them at 0 from the start.
         for labelvalues in per_engine_labelvalues.values():
             for kind in DROPPED_KINDS:
                 self._dropped_recv_notices.labels(*labelvalues, kind)
+            for kind in DISAGREEMENT_KINDS:
+                self._ledger_disagreements.labels(*labelvalues, kind)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         report = GuardKVConnectorStats(data=dict(transfer_stats_data))
@@ -310,6 +335,12 @@ class GuardPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             child, _, hook = key.partition("|")
             if n > 0:
                 self._child_errors.labels(*labelvalues, child, hook).inc(n)
+        for kind, n in stats.ledger_disagreements.items():
+            if n > 0:
+                self._ledger_disagreements.labels(*labelvalues, kind).inc(n)
+        for child, n in stats.load_retry_cutoffs.items():
+            if n > 0:
+                self._load_retry_cutoffs.labels(*labelvalues, child).inc(n)
         if report.gauges_changed:
             for attr, per_engine in self._gauges.items():
                 per_engine[engine_idx].set(getattr(stats, attr))

@@ -26,7 +26,9 @@ Life cycle of a wedge and its resolution (vLLM 0.32):
 Nothing of ``Scheduler.schedule()`` is copied: the subclasses override
 ``schedule`` (to reset the per-call budget and watch for stalls),
 ``update_from_output`` (to drop duplicate and late receive notices before
-vLLM reads them), ``_inflight_prefill_reserved_blocks`` (policies without
+vLLM reads them -- never one vLLM still waits on -- and to count failed
+loads against the retry budget), ``finish_requests`` (to remember requests
+aborted mid-receive), ``_inflight_prefill_reserved_blocks`` (policies without
 reservation) and ``_handle_blocked_waiting_request`` (status fix for
 never-executed victims), each calling ``super()``.
 """
@@ -105,6 +107,9 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         self._access = SchedulerAccess(self, installed_layout())
         self._lateral_budget = 0
         self._lateral_this_call: list[tuple[Victim, str]] = []
+        # Requests finished (aborted) while their receive was in flight:
+        # vLLM keeps them, blocks and all, until the receive notice lands.
+        self._finished_mid_recv: set[str] = set()
         self._install_admission_valve()
 
     # ---- the valve -------------------------------------------------------------
@@ -249,8 +254,75 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
             model_runner_output = copy(model_runner_output)
             model_runner_output.kv_connector_output = kv_output
         if kv_output is not None:
-            self.wedge_guard.filter_recv_notices(kv_output)
-        return super().update_from_output(scheduler_output, model_runner_output)
+            self.wedge_guard.filter_recv_notices(kv_output, self._awaits_recv_notice)
+            self.wedge_guard.record_failed_loads(self._failed_loads(kv_output))
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self._finished_mid_recv:
+            self._finished_mid_recv &= self.requests.keys()
+        return outputs
+
+    def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
+        """Remember which finished requests still wait on their receive.
+
+        vLLM frees a request aborted in WAITING_FOR_REMOTE_KVS (its receive
+        not yet reported) only when the receive notice lands: that notice
+        must reach vLLM whatever the ledger says (:meth:`_awaits_recv_notice`).
+        """
+        if isinstance(request_ids, str):
+            ids: list[str] | None = [request_ids]
+        else:
+            ids = None if request_ids is None else list(request_ids)
+        mid_recv = {
+            req_id
+            for req_id in (self.requests if ids is None else ids)
+            if (request := self.requests.get(req_id)) is not None
+            and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            and req_id not in self.finished_recving_kv_req_ids
+        }
+        finished = super().finish_requests(ids, finished_status)
+        self._finished_mid_recv |= mid_recv & self.requests.keys()
+        return finished
+
+    def _awaits_recv_notice(self, req_id: str) -> bool:
+        """Whether vLLM still needs ``req_id``'s receive notice.
+
+        What vLLM 0.32's ``_update_from_kv_xfer_finished`` does with one: a
+        WAITING_FOR_REMOTE_KVS request not yet in the finished-receive set is
+        promoted by it; a finished request kept for its receive is freed by
+        it. Anything else (gone, running, already reported) does not need it.
+        """
+        request = self.requests.get(req_id)
+        if request is None:
+            return False
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return req_id not in self.finished_recving_kv_req_ids
+        return req_id in self._finished_mid_recv
+
+    def _failed_loads(self, kv_output: KVConnectorOutput) -> set[str]:
+        """Requests whose load failed in this output, as vLLM will see it.
+
+        ``failed_recving`` (filtered) names async loads that failed; vLLM
+        acts on those still in WAITING_FOR_REMOTE_KVS. ``invalid_block_ids``
+        names blocks a load did not fill: vLLM maps them to waiting async
+        loads and to running (sync-loaded) requests holding them.
+        """
+        waiting = RequestStatus.WAITING_FOR_REMOTE_KVS
+        failed = {
+            req_id
+            for req_id in kv_output.failed_recving or ()
+            if (request := self.requests.get(req_id)) is not None
+            and request.status == waiting
+        }
+        invalid = kv_output.invalid_block_ids
+        if invalid:
+            holders = [r for q in self._access.holder_queues() for r in q]
+            for request in [*holders, *self.running]:
+                if request.status not in (waiting, RequestStatus.RUNNING):
+                    continue
+                block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+                if block_ids and not invalid.isdisjoint(block_ids[0]):
+                    failed.add(request.request_id)
+        return failed
 
     def _inflight_prefill_reserved_blocks(self) -> int:
         if not self.wedge_guard.config.policy.reserves:

@@ -10,7 +10,10 @@ in its SCHEDULER role only (workers build none of it). It owns:
   request's ``kv_transfer_params`` name);
 - the faults of children that raised (``guard/containment.py``) and the loads
   they never started;
-- the receive-notice filter.
+- the receive-notice filter (vLLM's own state wins over the ledger's: a
+  notice vLLM still waits on is never dropped);
+- the load-retry budget (``max_failed_loads`` failed loads of one request
+  from one child, then the request is computed locally).
 
 Two audiences, two small APIs:
 
@@ -19,7 +22,8 @@ Two audiences, two small APIs:
   :meth:`observe_scheduler_output`, :meth:`record_finished`;
 * the guarded scheduler asks and reports: :meth:`pick_victim`,
   :meth:`on_lateral_preemption`, :meth:`filter_recv_notices`,
-  :meth:`has_unstarted_loads`, :meth:`has_executed`, :meth:`observe_step`.
+  :meth:`record_failed_loads`, :meth:`has_unstarted_loads`,
+  :meth:`has_executed`, :meth:`observe_step`.
 
 Nothing here imports vLLM's scheduler: requests, blocks and outputs are
 read by attribute, so the class runs in unit tests with plain objects.
@@ -37,6 +41,7 @@ from vllm_mooncake.guard.config import GuardConfig
 from vllm_mooncake.guard.containment import ALLOC, ChildFault
 from vllm_mooncake.guard.ledger import (
     BlockLedger,
+    Disagreement,
     HolderView,
     LedgerError,
     RecvState,
@@ -57,6 +62,11 @@ T = TypeVar("T")
 
 UNROUTABLE = -1
 """:meth:`GuardSchedulerSide.route`'s answer for a request no child can load."""
+
+Awaited = Callable[[str], bool]
+"""Whether vLLM's scheduler still waits on a receive notice for a request."""
+
+_LOGGED_ONCE_MAX = 65536
 
 
 @dataclass(frozen=True)
@@ -98,6 +108,8 @@ class GuardSchedulerSide:
         # The stall being watched: zero-token steps while holders wait.
         self._stall_steps = 0
         self._alarm_raised = False
+        # Requests whose ledger disagreement was logged (once per request).
+        self._disagreement_logged: dict[str, None] = {}
 
     @property
     def child_names(self) -> tuple[str, ...]:
@@ -155,6 +167,47 @@ class GuardSchedulerSide:
     def owner_of(self, req_id: str) -> int | None:
         """The child loading ``req_id`` (MultiConnector's choice or ours)."""
         return self._requests_to_connector.get(req_id)
+
+    def within_retry_budget(
+        self, req_id: str, owner: int | None, num_tokens: int
+    ) -> bool:
+        """Whether ``owner``'s hit for ``req_id`` may be taken.
+
+        False once ``max_failed_loads`` loads of the request from that child
+        have failed: the guard then reports no external hit, and vLLM
+        prefills the request locally instead of loading it again (under
+        ``kv_load_failure_policy=recompute`` a store that keeps failing the
+        load would otherwise be offered it forever). Counted and logged once
+        per request and child.
+        """
+        if not num_tokens or owner is None:
+            return True
+        child = self.child_names[owner]
+        failures = self.ledger.failed_loads(req_id, child)
+        if failures < self.config.max_failed_loads:
+            return True
+        if self.ledger.cut_off(req_id, child):
+            self.stats.load_retry_cutoffs[child] += 1
+            logger.warning(
+                "request %s: %d loads from %s failed (max_failed_loads=%d); "
+                "computing it locally instead of loading it again",
+                req_id,
+                failures,
+                child,
+                self.config.max_failed_loads,
+            )
+        return False
+
+    def record_failed_loads(self, req_ids: Iterable[str]) -> None:
+        """Loads of ``req_ids`` failed (in full or in part) this step.
+
+        The guarded scheduler reports them from ``update_from_output``:
+        ``failed_recving`` for async loads, ``invalid_block_ids`` for blocks
+        of waiting (async) or running (sync) requests. Each counts against
+        the load's owning child (see :meth:`within_retry_budget`).
+        """
+        for req_id in req_ids:
+            self.ledger.on_load_failed(req_id)
 
     def record_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -223,8 +276,17 @@ class GuardSchedulerSide:
         self.ledger.on_finished(req_id)
 
     # ---- receive notices ------------------------------------------------------------
-    def filter_recv_notices(self, connector_output: KVConnectorOutput) -> None:
+    def filter_recv_notices(
+        self, connector_output: KVConnectorOutput, awaited: Awaited | None = None
+    ) -> None:
         """Drop duplicate and late receive notices from ``connector_output``.
+
+        ``awaited`` (from the guarded scheduler) tells whether vLLM still
+        waits on a request's notice; vLLM's state wins over the ledger's: a
+        notice vLLM waits on is passed on whatever the ledger says, and one
+        the ledger expects but vLLM no longer waits on is dropped. Each such
+        disagreement is counted and logged once per request. Without
+        ``awaited`` (a scheduler without the guard) the ledger decides.
 
         A duplicate (two children reporting one request, upstream #53049) or
         a late notice for a finished request would trip vLLM's assert or free
@@ -242,7 +304,9 @@ class GuardSchedulerSide:
         failed = connector_output.failed_recving or set()
         kept: set[str] = set()
         if connector_output.finished_recving:
-            kept = self._accepted_recvs(connector_output.finished_recving, failed)
+            kept = self._accepted_recvs(
+                connector_output.finished_recving, failed, awaited
+            )
             connector_output.finished_recving = kept or None
         if failed:
             connector_output.failed_recving = {r for r in failed if r in kept}
@@ -265,12 +329,24 @@ class GuardSchedulerSide:
             connector_output.invalid_block_ids = invalid | self._unstarted_blocks
             self._unstarted_blocks.clear()
 
-    def _accepted_recvs(self, finished: Iterable[str], failed: set[str]) -> set[str]:
+    def _accepted_recvs(
+        self, finished: Iterable[str], failed: set[str], awaited: Awaited | None
+    ) -> set[str]:
         kept = set()
         before = self.ledger.dropped.__dict__.copy()
+        ledger = self.ledger
         for req_id in finished:
-            if self.ledger.accept_recv_complete(req_id, req_id in failed):
+            vllm_waits = None if awaited is None else awaited(req_id)
+            if vllm_waits is None or vllm_waits == ledger.expects_recv(req_id):
+                if ledger.accept_recv_complete(req_id, req_id in failed):
+                    kept.add(req_id)
+            elif vllm_waits:
+                overruled = ledger.overrule_recv_complete(req_id, req_id in failed)
+                self._note_disagreement(req_id, overruled)
                 kept.add(req_id)
+            else:
+                ledger.accept_recv_complete(req_id, req_id in failed)
+                self._note_disagreement(req_id, Disagreement.NOT_AWAITED)
         for kind, n in self.ledger.dropped.__dict__.items():
             if n > before[kind]:
                 self.stats.dropped_recv_notices[kind] += n - before[kind]
@@ -280,6 +356,23 @@ class GuardSchedulerSide:
                     kind,
                 )
         return kept
+
+    def _note_disagreement(self, req_id: str, kind: Disagreement) -> None:
+        """Count a ledger/vLLM disagreement; log it once per request."""
+        self.stats.ledger_disagreements[kind.value] += 1
+        if req_id in self._disagreement_logged:
+            return
+        self._disagreement_logged[req_id] = None
+        if len(self._disagreement_logged) > _LOGGED_ONCE_MAX:
+            self._disagreement_logged.pop(next(iter(self._disagreement_logged)))
+        passed = "dropped" if kind is Disagreement.NOT_AWAITED else "passed on"
+        logger.warning(
+            "wedge guard ledger disagrees with the scheduler on request %s's "
+            "receive notice (%s); the scheduler's state wins: notice %s",
+            req_id,
+            kind.value,
+            passed,
+        )
 
     # ---- the guarded scheduler's API -----------------------------------------
     def has_executed(self, req_id: str) -> bool:

@@ -26,6 +26,14 @@ class GuardStats:
     ledger_errors: int = 0
     # "child|hook" -> raises of a child connector the guard contained
     child_errors: Counter[str] = field(default_factory=Counter)
+    # kind -> receive notices on which the ledger and vLLM disagreed (vLLM's
+    # state won): no_entry / no_recv (vLLM waited on a notice the ledger
+    # would have dropped: passed on) or not_awaited (the ledger expected a
+    # notice vLLM no longer waits on: dropped)
+    ledger_disagreements: Counter[str] = field(default_factory=Counter)
+    # child -> requests whose loads from that child failed max_failed_loads
+    # times and that are computed locally from then on
+    load_retry_cutoffs: Counter[str] = field(default_factory=Counter)
     # gauges, as of the last step
     recv_done_holders_waiting: int = 0
     blocks_held_by_non_running: int = 0
@@ -43,6 +51,13 @@ class GuardStats:
         "blocks_held_by_non_running",
         "stalled_steps",
     )
+    # Counters by one string label (the Counter's key).
+    LABELED = (
+        "dropped_recv_notices",
+        "child_errors",
+        "ledger_disagreements",
+        "load_retry_cutoffs",
+    )
 
     @property
     def total_lateral_preemptions(self) -> int:
@@ -55,8 +70,8 @@ class GuardStats:
             f"{reason}|{owner}": n
             for (reason, owner), n in self.lateral_preemptions.items()
         }
-        out["dropped_recv_notices"] = dict(self.dropped_recv_notices)
-        out["child_errors"] = dict(self.child_errors)
+        for name in self.LABELED:
+            out[name] = dict(getattr(self, name))
         return out
 
     @classmethod
@@ -67,8 +82,8 @@ class GuardStats:
         for key, n in data.get("lateral_preemptions", {}).items():
             reason, _, owner = key.partition("|")
             stats.lateral_preemptions[(reason, owner)] = int(n)
-        stats.dropped_recv_notices.update(data.get("dropped_recv_notices", {}))
-        stats.child_errors.update(data.get("child_errors", {}))
+        for name in cls.LABELED:
+            getattr(stats, name).update(data.get(name, {}))
         return stats
 
     def delta_since(self, earlier: GuardStats) -> GuardStats:
@@ -77,10 +92,8 @@ class GuardStats:
         for name in self.COUNTERS:
             setattr(out, name, getattr(self, name) - getattr(earlier, name))
         out.lateral_preemptions = self.lateral_preemptions - earlier.lateral_preemptions
-        out.dropped_recv_notices = (
-            self.dropped_recv_notices - earlier.dropped_recv_notices
-        )
-        out.child_errors = self.child_errors - earlier.child_errors
+        for name in self.LABELED:
+            setattr(out, name, getattr(self, name) - getattr(earlier, name))
         return out
 
     def merge(self, other: GuardStats) -> GuardStats:
@@ -89,13 +102,11 @@ class GuardStats:
         for name in self.COUNTERS:
             setattr(out, name, getattr(self, name) + getattr(other, name))
         out.lateral_preemptions = self.lateral_preemptions + other.lateral_preemptions
-        out.dropped_recv_notices = (
-            self.dropped_recv_notices + other.dropped_recv_notices
-        )
-        out.child_errors = self.child_errors + other.child_errors
+        for name in self.LABELED:
+            setattr(out, name, getattr(self, name) + getattr(other, name))
         return out
 
     def is_empty(self) -> bool:
         return not any(getattr(self, n) for n in self.COUNTERS) and not (
-            self.lateral_preemptions or self.dropped_recv_notices or self.child_errors
+            self.lateral_preemptions or any(getattr(self, n) for n in self.LABELED)
         )

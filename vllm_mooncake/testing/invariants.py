@@ -30,6 +30,11 @@ The invariants:
 ``resumed``    a request is never sent to the worker as cached/resumed
                unless the worker saw it as new (vLLM's model runner raises
                KeyError otherwise).
+``notices``    a receive notice for a request vLLM waits on is never
+               dropped by the guard's filter: vLLM waits on a
+               WAITING_FOR_REMOTE_KVS request not yet in its finished-receive
+               set, and on a request aborted in that state (kept, blocks and
+               all, until the notice lands); the ledger's view does not count.
 ``ends``       every request ends, with a reason it may have (length/stop;
                abort only if aborted; error only after a failed load under
                ``kv_load_failure_policy=fail``), and the scheduler, ledger
@@ -65,7 +70,8 @@ LEDGER = "ledger"
 RESUMED = "resumed"
 ENDS = "ends"
 STALL = "stall"
-INVARIANTS = (BLOCKS, IN_FLIGHT, VICTIM, LEDGER, RESUMED, ENDS, STALL)
+NOTICES = "notices"
+INVARIANTS = (BLOCKS, IN_FLIGHT, VICTIM, LEDGER, RESUMED, NOTICES, ENDS, STALL)
 
 # Reasons a request may end with, by what happened to it.
 NORMAL_ENDS = frozenset({"length", "stop"})
@@ -270,6 +276,34 @@ def ledger_problems(
     return problems
 
 
+def awaited_notices(
+    scheduler: Any, notices: Iterable[str], aborted_mid_recv: set[str]
+) -> set[str]:
+    """The notices in ``notices`` vLLM's scheduler waits on, by vLLM's state."""
+    from vllm.v1.request import RequestStatus
+
+    awaited = set()
+    for req_id in notices:
+        request = scheduler.requests.get(req_id)
+        if request is None:
+            continue
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            if req_id not in scheduler.finished_recving_kv_req_ids:
+                awaited.add(req_id)
+        elif request.is_finished() and req_id in aborted_mid_recv:
+            awaited.add(req_id)
+    return awaited
+
+
+def notice_problems(awaited: set[str], passed: Iterable[str]) -> list[str]:
+    """Awaited receive notices the filter did not pass on to vLLM."""
+    lost = sorted(awaited - set(passed))
+    return [
+        f"{req_id}: vLLM waited on its receive notice but the guard dropped it"
+        for req_id in lost
+    ]
+
+
 def resumed_problems(so: SchedulerOutput, seen_as_new: set[str]) -> list[str]:
     """Cached/resumed requests the worker never saw as new."""
     cached = so.scheduled_cached_reqs
@@ -369,10 +403,13 @@ class InvariantChecker:
         self._stall = 0
         self._candidate_stall = 0
         self._blocked_with_candidate = False  # in the step being run
+        # Requests aborted while vLLM waited on their receive (NOTICES).
+        self.aborted_mid_recv: set[str] = set()
         if watch_laterals:
             self._watch_lateral_preemptions()
         self._watch_admissions()
         self._watch_worker_input()
+        self._watch_notices()
 
     # ---- hooks ------------------------------------------------------------------
     def _watch_lateral_preemptions(self) -> None:
@@ -440,6 +477,38 @@ class InvariantChecker:
                 previous(so)
 
         self.driver.on_scheduled = on_scheduled
+
+    def _watch_notices(self) -> None:
+        """Wrap the aborts and the guard's notice filter (``notices``)."""
+        from vllm.v1.request import RequestStatus
+
+        scheduler = self.scheduler
+        finish = scheduler.finish_requests
+        side = scheduler.wedge_guard
+        filter_notices = side.filter_recv_notices
+
+        def finish_requests(request_ids: Any, status: Any) -> Any:
+            ids = [request_ids] if isinstance(request_ids, str) else request_ids
+            ids = list(scheduler.requests if ids is None else ids)
+            for req_id in ids:
+                request = scheduler.requests.get(req_id)
+                if (
+                    request is not None
+                    and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                    and req_id not in scheduler.finished_recving_kv_req_ids
+                ):
+                    self.aborted_mid_recv.add(req_id)
+            return finish(ids, status)
+
+        def filter_recv_notices(output: Any, *args: Any, **kwargs: Any) -> None:
+            notices = set(output.finished_recving or ())
+            awaited = awaited_notices(scheduler, notices, self.aborted_mid_recv)
+            filter_notices(output, *args, **kwargs)
+            passed = output.finished_recving or ()
+            self._raise_if(NOTICES, notice_problems(awaited, passed))
+
+        scheduler.finish_requests = finish_requests
+        side.filter_recv_notices = filter_recv_notices
 
     # ---- per step ------------------------------------------------------------------
     def after_step(self, result: StepResult) -> None:

@@ -84,6 +84,7 @@ def check(raw: Any) -> str:
     names = ", ".join(str(c["kv_connector"]) for c in children)
     return (
         f"policy={guard.policy.value} max_attempts={guard.max_attempts} "
+        f"max_failed_loads={guard.max_failed_loads} "
         f"children=[{names}] on vLLM {series}.x"
     )
 
