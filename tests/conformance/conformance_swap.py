@@ -22,7 +22,9 @@ Two wrappings, one per run:
 
 The copy is shallow (as MultiConnector makes its children's): the test's own
 config object is untouched, so connectors the test builds itself from it
-(worker side, for instance) see the original.
+(worker side, for instance) see the original. A config the swap already
+wrapped (a test building a second scheduler from ``scheduler.vllm_config``)
+is passed on as it is.
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ _CONNECTOR_FIELDS = (
 
 class NullConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """A KV connector that never loads, saves or holds anything."""
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """Nothing is handed off (vLLM's default follows the role: kv_both)."""
+        return False
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -140,6 +147,11 @@ def control_wrap(ktc: KVTransferConfig | None) -> KVTransferConfig:
     return wrapped_transfer_config(ktc, "MultiConnector", {})
 
 
+# The configs the swap produced (by id; the values keep the ids alive). A test
+# that builds a second scheduler from ``scheduler.vllm_config`` reuses one; it
+# is not wrapped again.
+_WRAPPED: dict[int, KVTransferConfig] = {}
+
 Wrap = Callable[[KVTransferConfig | None], KVTransferConfig]
 
 
@@ -149,8 +161,11 @@ def with_wrapped_config(
     """The scheduler's arguments with ``vllm_config`` replaced by a wrapped copy."""
 
     def wrapped(config: VllmConfig) -> VllmConfig:
+        if id(config.kv_transfer_config) in _WRAPPED:
+            return config  # a swapped scheduler's config, reused by the test
         new = copy.copy(config)
         new.kv_transfer_config = wrap(config.kv_transfer_config)
+        _WRAPPED[id(new.kv_transfer_config)] = new.kv_transfer_config
         return new
 
     if "vllm_config" in kwargs:

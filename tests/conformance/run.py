@@ -60,6 +60,16 @@ KNOWN = HERE / "known_differences.toml"
 _RAN = (0, 1)
 
 
+# vLLM general plugins allowed to load (``VLLM_PLUGINS``). Only the guarded
+# run loads this project's; every run allows the fake plugin that vLLM's
+# test_scheduler_kv_connector_override.py loads through the entry-point path.
+VLLM_TEST_PLUGINS = ("dummy_kv_connector_plugin",)
+
+
+def _plugins(mode: str) -> tuple[str, ...]:
+    return (("vllm_mooncake",) if mode == "guard" else ()) + VLLM_TEST_PLUGINS
+
+
 def _env(mode: str, out: Path, cache: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
@@ -70,8 +80,7 @@ def _env(mode: str, out: Path, cache: Path) -> dict[str, str]:
         VLLM_CACHE_ROOT=str(REPO / ".cache" / "vllm"),
         VLLM_NO_USAGE_STATS="1",
         DO_NOT_TRACK="1",
-        # Only the guarded run loads this project's vLLM plugin.
-        VLLM_PLUGINS="vllm_mooncake" if mode == "guard" else "",
+        VLLM_PLUGINS=",".join(_plugins(mode)),
         PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")])),
     )
     return env
