@@ -174,3 +174,14 @@ def test_a_failed_sync_load_counts_through_invalid_blocks() -> None:
 def test_max_failed_loads_is_validated_with_the_field_named(bad: object) -> None:
     with pytest.raises(GuardConfigError, match=r"wedge_guard\.max_failed_loads: "):
         GuardConfig.from_extra_config({"wedge_guard": {"max_failed_loads": bad}})
+
+
+def test_reserve_keeps_upstreams_behaviour() -> None:
+    """Under ``reserve`` (the guard only observes admission) the budget is
+    off: the request loops as on stock vLLM."""
+    d = _guarded(policy="reserve")
+    d.add("A", PROMPT, max_tokens=2, kv_transfer_params=_always_failing())
+    d.run(STEPS)
+    assert d.finished == {}
+    assert d.worker.started.count("A") > GuardConfig().max_failed_loads
+    assert d.scheduler.wedge_guard.stats.load_retry_cutoffs == {}

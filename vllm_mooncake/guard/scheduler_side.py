@@ -180,8 +180,8 @@ class GuardSchedulerSide:
         load would otherwise be offered it forever). Counted and logged once
         per request and child.
         """
-        if not num_tokens or owner is None:
-            return True
+        if not num_tokens or owner is None or not self.config.policy.lateral:
+            return True  # reserve / no-reserve: upstream's behaviour
         child = self.child_names[owner]
         failures = self.ledger.failed_loads(req_id, child)
         if failures < self.config.max_failed_loads:

@@ -106,14 +106,15 @@ class Cluster:
         s = self.scenario
         cost = CostModel.from_spec(s.cost)
         wedge = s.limits.wedge_steps
+        loop = s.limits.livelock_loads
         if s.mode == "single":
-            return [], [Rank("rank0", "single", s.engine, s.guard, cost, wedge)]
+            return [], [Rank("rank0", "single", s.engine, s.guard, cost, wedge, loop)]
         prefill = [
-            Rank(f"p{i}", "prefill", s.prefill_engine, s.guard, cost, wedge)
+            Rank(f"p{i}", "prefill", s.prefill_engine, s.guard, cost, wedge, loop)
             for i in range(s.ranks.prefill)
         ]
         decode = [
-            Rank(f"d{i}", "decode", s.decode_engine, s.guard, cost, wedge)
+            Rank(f"d{i}", "decode", s.decode_engine, s.guard, cost, wedge, loop)
             for i in range(s.ranks.decode)
         ]
         return prefill, decode
@@ -172,6 +173,9 @@ class Cluster:
             if rank.stalls.wedged and not self._resume_after_wedge(rank):
                 self.now = max(self.now, rank.last_end)
                 return "wedged"
+            if rank.livelocked:
+                self.now = max(self.now, rank.last_end)
+                return "livelock"
             if steps >= limits.max_steps:
                 return "max_steps"
             if self.progress and steps % PROGRESS_EVERY == 0:

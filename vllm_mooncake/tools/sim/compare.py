@@ -79,7 +79,13 @@ def _ms(x: float | None) -> str:
 
 COLUMNS: tuple[tuple[str, int, Callable[[RunResult], str]], ...] = (
     ("policy", 16, lambda r: r.policy),
-    ("outcome", 9, lambda r: r.outcome.upper() if r.wedged else r.outcome),
+    (
+        "outcome",
+        9,
+        lambda r: (
+            r.outcome.upper() if r.outcome in ("wedged", "livelock") else r.outcome
+        ),
+    ),
     ("done", 10, lambda r: f"{r.finished}/{r.total}"),
     ("sim s", 8, lambda r: f"{r.sim_seconds:.2f}"),
     ("tok/s", 8, lambda r: f"{r.throughput_tok_s:.0f}"),
@@ -110,10 +116,20 @@ def format_table(results: Sequence[RunResult]) -> str:
 
 
 def describe(results: Sequence[RunResult]) -> list[str]:
-    """One line per wedged run: which rank, and when the run stopped."""
-    return [
-        f"{r.policy}: rank(s) {', '.join(r.wedged_ranks)} wedged; the run stopped "
-        f"at t={r.sim_seconds:.2f}s with {r.finished}/{r.total} finished"
-        for r in results
-        if r.wedged
-    ]
+    """One line per wedged or livelocked run: where, and when the run stopped."""
+    out = []
+    for r in results:
+        if r.wedged:
+            out.append(
+                f"{r.policy}: rank(s) {', '.join(r.wedged_ranks)} wedged; the run "
+                f"stopped at t={r.sim_seconds:.2f}s with {r.finished}/{r.total} "
+                "finished"
+            )
+        for loop in r.livelocked:
+            out.append(
+                f"{r.policy}: livelock: request {loop['request']} on rank "
+                f"{loop['rank']} started {loop['loads']} loads without a token; "
+                f"the run stopped at t={r.sim_seconds:.2f}s with "
+                f"{r.finished}/{r.total} finished"
+            )
+    return out

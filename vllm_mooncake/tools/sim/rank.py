@@ -97,6 +97,7 @@ class Rank:
         guard: GuardSpec,
         cost: CostModel,
         wedge_steps: int,
+        livelock_loads: int = 20,
     ) -> None:
         self.name = name
         self.role = role  # "prefill" | "decode" | "single"
@@ -114,6 +115,12 @@ class Rank:
         self._unfinished_at_schedule = 0
         self._window = (0.0, 0.0)
         self.busy_s = 0.0  # simulated seconds of steps that scheduled tokens
+        # Loads started per request since its last token; a request that
+        # reaches livelock_loads loops on its load (a livelock).
+        self.livelock_loads = livelock_loads
+        self._loads_since_token: dict[ReqId, int] = {}
+        self._loads_seen = 0
+        self.livelocked: dict[ReqId, int] = {}  # request -> loads, in order
 
     # ---- observations ----------------------------------------------------------
     @property
@@ -202,6 +209,7 @@ class Rank:
             recv_done=sorted(result.kv_connector_output.finished_recving or ()),
         )
         self._read_outputs(result.engine_outputs, out)
+        self._observe_loads(result.engine_outputs)
         self._observe_stall(out)
         if out.tokens:
             self.busy_s += end - start
@@ -221,6 +229,26 @@ class Rank:
                 if o.finish_reason is not None:
                     out.finished.append((o.request_id, str(o.finish_reason)))
                     self._emitted.discard(o.request_id)
+
+    def _observe_loads(self, engine_outputs: dict[int, Any]) -> None:
+        """Count loads per request since its last token; flag a livelock.
+
+        Under ``kv_load_failure_policy: recompute`` a load that keeps
+        failing is started again and again with no token in between: no
+        stall (the rank is busy loading), but the request never progresses.
+        """
+        started = self.driver.worker.started
+        counts = self._loads_since_token
+        for req_id in started[self._loads_seen :]:
+            counts[req_id] = counts.get(req_id, 0) + 1
+            if counts[req_id] >= self.livelock_loads:
+                self.livelocked.setdefault(req_id, counts[req_id])
+        self._loads_seen = len(started)
+        if counts:
+            for outputs in engine_outputs.values():
+                for o in outputs.outputs:
+                    if o.new_token_ids or o.finish_reason is not None:
+                        counts.pop(o.request_id, None)
 
     def _observe_stall(self, out: RankStep) -> None:
         in_flight = self.driver.worker.in_flight

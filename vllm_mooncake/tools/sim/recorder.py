@@ -87,6 +87,11 @@ class Recorder:
             total=self.total,
             wedged=bool(wedged),
             wedged_ranks=wedged,
+            livelocked=[
+                {"rank": r.name, "request": req_id, "loads": loads}
+                for r in ranks
+                for req_id, loads in r.livelocked.items()
+            ],
             max_stall_steps=max(r.stalls.max_streak for r in ranks),
             stalled_seconds=round(sum(r.stalls.stalled_s for r in ranks), 6),
             lateral_preemptions=sum(

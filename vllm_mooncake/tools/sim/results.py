@@ -6,8 +6,13 @@ Top-level fields (all times in simulated seconds unless named ``wall``):
     requests that completed (length/stop), that ended in an error (a failed
     load under ``kv_load_failure_policy: fail``), and that the workload has.
 ``stop_reason``, ``completed``
-    ``done`` (every request completed), ``wedged``, ``max_sim_s`` or
-    ``max_steps``; ``completed`` is ``stop_reason == "done"``.
+    ``done`` (every request completed), ``wedged``, ``livelock``,
+    ``max_sim_s`` or ``max_steps``; ``completed`` is ``stop_reason == "done"``.
+``livelocked``
+    ``[{"rank", "request", "loads"}]``: requests that started
+    ``limits.livelock_loads`` loads without a token in between (a load that
+    keeps failing under ``kv_load_failure_policy: recompute``); the run stops
+    there with ``stop_reason`` and ``outcome`` ``livelock``.
 ``wedged``, ``wedged_ranks``
     a rank stalled ``limits.wedge_steps`` steps with nothing in flight that
     could end the stall (the run stops there).
@@ -111,6 +116,7 @@ class RunResult:
     timeline: dict[str, Any] = field(default_factory=dict)
     stalls: list[dict[str, Any]] = field(default_factory=list)
     wall_seconds: float = 0.0
+    livelocked: list[dict[str, Any]] = field(default_factory=list)
     schema: str = SCHEMA
 
     @property

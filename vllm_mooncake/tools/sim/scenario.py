@@ -37,7 +37,7 @@ MODES = ("pd", "single")
 ROUTERS = ("round_robin", "least_loaded")
 ARRIVALS = ("closed", "poisson")
 OUTCOMES = ("ok", "fail", "partial")
-EXPECTED = ("finished", "wedged")
+EXPECTED = ("finished", "wedged", "livelock")
 CHILDREN = ("store", "pd")
 
 
@@ -77,6 +77,7 @@ class GuardSpec:
     max_attempts: int = 16
     stall_alarm_steps: int = 2000
     only_when_idle: bool = True
+    max_failed_loads: int = 3
     strict: bool = False
 
     def section(self) -> dict[str, Any]:
@@ -85,6 +86,7 @@ class GuardSpec:
             "max_attempts": self.max_attempts,
             "stall_alarm_steps": self.stall_alarm_steps,
             "only_when_idle": self.only_when_idle,
+            "max_failed_loads": self.max_failed_loads,
             "strict": self.strict,
         }
 
@@ -166,6 +168,9 @@ class LimitsSpec:
     max_sim_s: float = 3600.0
     max_steps: int = 2_000_000
     wedge_steps: int = 500
+    # Loads one request starts without sampling a token in between before
+    # the run stops as a livelock (the request reloads forever).
+    livelock_loads: int = 20
 
 
 @dataclass(frozen=True)
@@ -352,6 +357,9 @@ def _guard(r: Reader) -> GuardSpec:
             "stall_alarm_steps", GuardSpec.stall_alarm_steps, 1
         ),
         only_when_idle=r.boolean("only_when_idle", GuardSpec.only_when_idle),
+        max_failed_loads=r.integer(
+            "max_failed_loads", GuardSpec.max_failed_loads, 1, 1000
+        ),
         strict=r.boolean("strict", GuardSpec.strict),
     )
     r.done()
@@ -404,6 +412,7 @@ def _limits(r: Reader) -> LimitsSpec:
         max_sim_s=r.number("max_sim_s", LimitsSpec.max_sim_s, 0, lo_open=True),
         max_steps=r.integer("max_steps", LimitsSpec.max_steps, 1),
         wedge_steps=r.integer("wedge_steps", LimitsSpec.wedge_steps, 1),
+        livelock_loads=r.integer("livelock_loads", LimitsSpec.livelock_loads, 2),
     )
     r.done()
     return spec
