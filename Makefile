@@ -5,7 +5,7 @@ export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 export VLLM_MOONCAKE_CACHE ?= $(CURDIR)/.cache
 
-.PHONY: setup setup-e2e demo test lint typecheck unit e2e up down clean
+.PHONY: setup setup-e2e demo test lint typecheck unit conformance e2e up down clean
 
 setup:
 	@scripts/bootstrap.sh
@@ -31,6 +31,11 @@ unit: setup
 	$(PY) -m pytest -q
 
 test: lint typecheck unit
+
+# vLLM's own scheduler and KV-connector unit tests, stock and with the guard
+# swapped in; fails on a difference not in tests/conformance/known_differences.toml.
+conformance: setup
+	$(PY) tests/conformance/run.py
 
 # A real 1P2D on 127.0.0.1 (deploy/local/); ARGS go to `deploy.local up`.
 up:
