@@ -107,6 +107,7 @@ def run_pytest(mode: str, targets: list[str], src: Path, cache: Path) -> Path:
         "-q",
         "--tb=no",
         "--no-header",
+        "-rN",
         *targets,
     ]
     started = time.monotonic()
@@ -149,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     if diffs:
         control_out = run_pytest("control", [d.test for d in diffs], src, cache)
         control = load_run(control_out)
-    problems = check(diffs, load_entries(KNOWN), control)
-    if not args.tests:
+    whole = not args.tests  # staleness is only known over the whole scope
+    problems = check(diffs, load_entries(KNOWN), control, stale=whole)
+    if whole:
         problems += _unused_skips(stock_out)
     _report(diffs, problems)
     return 1 if problems else 0

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from check import Difference, Entry, check, differences
+from check import Difference, Entry, Run, check, differences
 
-STOCK = {"a": {"outcome": "passed"}, "b": {"outcome": "passed"}}
-GUARD = {"a": {"outcome": "failed"}, "b": {"outcome": "passed", "unswapped": ["X"]}}
+STOCK: Run = {"a": {"outcome": "passed"}, "b": {"outcome": "passed"}}
+GUARD: Run = {
+    "a": {"outcome": "failed"},
+    "b": {"outcome": "passed", "unswapped": ["X"]},
+}
 
 
 def entry(test: str, guard: str = "failed", cause: str = "guard") -> Entry:
