@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+
+import pytest
+
 from vllm_mooncake.offline import prepare_offline_env
 
 prepare_offline_env()
@@ -17,3 +22,23 @@ def pytest_report_header() -> str:
     from vllm_mooncake.compat.versions import installed_vllm_version
 
     return f"vLLM {installed_vllm_version()}"
+
+
+GUARD_LOGGER = "vllm_mooncake.guard.scheduler_side"
+
+
+@pytest.fixture
+def guard_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """Capture the guard's log records (its WARNING/ERROR lines), whatever
+    vLLM's logging config does with propagation."""
+    log = logging.getLogger(GUARD_LOGGER)
+    level, propagate = log.level, log.propagate
+    log.addHandler(caplog.handler)
+    log.setLevel(logging.DEBUG)
+    log.propagate = False  # records reach caplog once, through its handler
+    try:
+        yield caplog
+    finally:
+        log.removeHandler(caplog.handler)
+        log.setLevel(level)
+        log.propagate = propagate

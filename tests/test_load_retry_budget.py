@@ -12,8 +12,6 @@ so vLLM prefills it locally and it finishes.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -57,21 +55,6 @@ def _tokens(d: SchedulerDriver, req_id: str) -> list[int]:
     return out
 
 
-@pytest.fixture
-def side_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    log = logging.getLogger(SIDE_LOGGER)
-    level, propagate = log.level, log.propagate
-    log.addHandler(caplog.handler)
-    log.setLevel(logging.DEBUG)
-    log.propagate = False
-    try:
-        yield caplog
-    finally:
-        log.removeHandler(caplog.handler)
-        log.setLevel(level)
-        log.propagate = propagate
-
-
 def test_stock_reloads_a_failing_store_hit_forever() -> None:
     """Red: stock vLLM (MultiConnector, vLLM's Scheduler) under recompute."""
     d = SchedulerDriver.build(
@@ -90,7 +73,7 @@ def test_stock_reloads_a_failing_store_hit_forever() -> None:
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_guard_computes_locally_after_max_failed_loads(
-    async_scheduling: bool, side_log: pytest.LogCaptureFixture
+    async_scheduling: bool, guard_log: pytest.LogCaptureFixture
 ) -> None:
     """Green: same store, the guard; K = the default 3."""
     d = _guarded(async_scheduling)
@@ -104,7 +87,7 @@ def test_guard_computes_locally_after_max_failed_loads(
     assert len(steps) < 30
     side = d.scheduler.wedge_guard
     assert side.stats.load_retry_cutoffs == {STORE: 1}
-    lines = [r.getMessage() for r in side_log.records if "max_failed_loads" in r.msg]
+    lines = [r.getMessage() for r in guard_log.records if "max_failed_loads" in r.msg]
     assert len(lines) == 1 and "request A: 3 loads from" in lines[0]
     assert_scheduler_empty(d.scheduler)
     assert len(side.ledger) == 0

@@ -11,7 +11,6 @@ with vLLM's own front-end code: ``KVConnectorProm`` / ``KVConnectorLogging``
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -113,23 +112,6 @@ def value(
     ]
     assert len(hits) <= 1, f"{name} {labels}: {len(hits)} samples"
     return hits[0] if hits else None
-
-
-@pytest.fixture
-def guard_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    """Capture the guarded scheduler's log records, whatever vLLM's logging
-    config does with propagation."""
-    log = logging.getLogger(GUARD_LOGGER)
-    level, propagate = log.level, log.propagate
-    log.addHandler(caplog.handler)
-    log.setLevel(logging.DEBUG)
-    log.propagate = False  # records reach caplog once, through its handler
-    try:
-        yield caplog
-    finally:
-        log.removeHandler(caplog.handler)
-        log.setLevel(level)
-        log.propagate = propagate
 
 
 def messages(caplog: pytest.LogCaptureFixture, level: int, text: str) -> list[str]:

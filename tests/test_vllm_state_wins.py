@@ -11,9 +11,6 @@ everything; the guard counts the disagreement and logs it once.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
-
 import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput
@@ -42,21 +39,6 @@ def _driver(kind: str) -> SchedulerDriver:
     return d
 
 
-@pytest.fixture
-def side_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    log = logging.getLogger(SIDE_LOGGER)
-    level, propagate = log.level, log.propagate
-    log.addHandler(caplog.handler)
-    log.setLevel(logging.DEBUG)
-    log.propagate = False
-    try:
-        yield caplog
-    finally:
-        log.removeHandler(caplog.handler)
-        log.setLevel(level)
-        log.propagate = propagate
-
-
 def _disagreement_lines(caplog: pytest.LogCaptureFixture, req_id: str) -> list[str]:
     return [
         r.getMessage()
@@ -67,7 +49,7 @@ def _disagreement_lines(caplog: pytest.LogCaptureFixture, req_id: str) -> list[s
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_abort_while_waiting_for_remote_kvs_frees_the_request(
-    kind: str, side_log: pytest.LogCaptureFixture
+    kind: str, guard_log: pytest.LogCaptureFixture
 ) -> None:
     """vLLM's test_abort_request_waiting_for_remote_kvs, on both stacks.
 
@@ -91,12 +73,12 @@ def test_abort_while_waiting_for_remote_kvs_frees_the_request(
         assert side.stats.ledger_disagreements == {"no_entry": 1}
         assert side.stats.dropped_recv_notices == {}
         assert len(side.ledger) == 0
-        assert len(_disagreement_lines(side_log, "r")) == 1
+        assert len(_disagreement_lines(guard_log, "r")) == 1
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_receive_the_ledger_never_saw_start_still_promotes(
-    kind: str, side_log: pytest.LogCaptureFixture
+    kind: str, guard_log: pytest.LogCaptureFixture
 ) -> None:
     """vLLM waits on ``r``'s receive but the ledger has no receive in flight
     (it would call the notice unexpected). The notice reaches vLLM, ``r`` is
@@ -117,7 +99,7 @@ def test_receive_the_ledger_never_saw_start_still_promotes(
         d.step(finished_recving={"r"})  # late now, by both views
         assert side.stats.ledger_disagreements == {"no_recv": 1}
         assert side.stats.dropped_recv_notices == {"late": 1}
-        assert len(_disagreement_lines(side_log, "r")) == 1
+        assert len(_disagreement_lines(guard_log, "r")) == 1
         assert_scheduler_empty(d.scheduler)
 
 
