@@ -155,3 +155,18 @@ def test_a_lost_reserved_blocks_keyword_is_caught(
     assert report.missing_sites() == [
         "no call of self.kv_cache_manager.allocate_slots passes reserved_blocks="
     ]
+
+
+def test_a_method_wrapped_whole_is_judged_by_its_signature_only() -> None:
+    """``VllmConfig.__post_init__`` and NIXL's worker ``__init__`` are wrapped
+    whole: a new body is fine, a parameter we pass that disappears is not."""
+    from vllm_mooncake.compat.source_check import Shape, compare
+
+    (item,) = [i for i in INTERNALS if i.name == "__init__" and not i.body_matters]
+    base = Shape(
+        True, "__init__", params=("vllm_config", "engine_id"), uses=frozenset()
+    )
+    new_body = Shape(True, "__init__", params=base.params, uses=frozenset({"_x"}))
+    assert compare(item, base, new_body).status == OK
+    renamed = Shape(True, "__init__", params=("config", "engine_id"))
+    assert compare(item, base, renamed).status == BROKEN

@@ -27,6 +27,9 @@ class Internal:
     why: str
     params: tuple[str, ...] = ()  # for methods: parameter names we pass
     series: tuple[str, ...] = ("0.30", "0.31", "0.32")  # releases that use it
+    # False for a method wrapped whole (called through with every argument):
+    # only its signature matters, not what its body reads.
+    body_matters: bool = True
 
     def applies_to(self, series: str) -> bool:
         return series in self.series
@@ -35,7 +38,7 @@ class Internal:
 SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
 MULTI = "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector.MultiConnector"
 KV_MANAGER = "vllm.v1.core.kv_cache_manager.KVCacheManager"
-VLLM_CONFIG = "vllm.config.VllmConfig"
+VLLM_CONFIG = "vllm.config.vllm.VllmConfig"
 FACTORY = "vllm.distributed.kv_transfer.kv_connector.factory.KVConnectorFactory"
 NIXL_WORKER = f"{NIXL_WORKER_MODULE}.{NIXL_WORKER_CLASS}"
 
@@ -58,6 +61,12 @@ def _method(
     series: tuple[str, ...] = NEW + OLD,
 ) -> Internal:
     return Internal(owner, name, "method", why, params, series)
+
+
+def _wrapped_whole(
+    owner: str, name: str, why: str, params: tuple[str, ...] = ()
+) -> Internal:
+    return Internal(owner, name, "method", why, params, NEW + OLD, body_matters=False)
 
 
 INTERNALS: tuple[Internal, ...] = (
@@ -130,7 +139,7 @@ INTERNALS: tuple[Internal, ...] = (
     _attr(MULTI, "_connectors", "the child connectors, for routing"),
     _attr(MULTI, "_requests_to_connector", "which child loads a request"),
     # -- patched or read outside the scheduler
-    _method(
+    _wrapped_whole(
         VLLM_CONFIG,
         "__post_init__",
         "wrapped once per process: picks the guarded scheduler (plugin.py)",
@@ -140,7 +149,7 @@ INTERNALS: tuple[Internal, ...] = (
         "_registry",
         "read: names the registered connectors in a config error (guard/config.py)",
     ),
-    _method(
+    _wrapped_whole(
         NIXL_WORKER,
         "__init__",
         "wrapped on CPU hosts: NIXL's threads keep the CPU affinity (compat/cpu.py)",

@@ -258,14 +258,8 @@ def compare(item: Internal, base: Shape, other: Shape) -> Finding:
             )
         elif other.params != base.params:
             notes.append(f"parameters now ({', '.join(other.params)})")
-        if other.returns != base.returns:
-            notes.append(f"returns {other.returns or '?'} (was {base.returns or '?'})")
-        added = sorted(other.uses - base.uses)
-        removed = sorted(base.uses - other.uses)
-        if added:
-            notes.append(f"now uses self.{', self.'.join(added)}")
-        if removed:
-            notes.append(f"no longer uses self.{', self.'.join(removed)}")
+        if item.body_matters:
+            notes += _body_notes(base, other)
     else:
         if other.where != base.where:
             notes.append(other.where)
@@ -274,6 +268,20 @@ def compare(item: Internal, base: Shape, other: Shape) -> Finding:
     if broken:
         return Finding(item, BROKEN, broken + notes)
     return Finding(item, CHANGED if notes else OK, notes)
+
+
+def _body_notes(base: Shape, other: Shape) -> list[str]:
+    """What changed in a method's return annotation and the state it reads."""
+    notes = []
+    if other.returns != base.returns:
+        notes.append(f"returns {other.returns or '?'} (was {base.returns or '?'})")
+    added = sorted(other.uses - base.uses)
+    removed = sorted(base.uses - other.uses)
+    if added:
+        notes.append(f"now uses self.{', self.'.join(added)}")
+    if removed:
+        notes.append(f"no longer uses self.{', self.'.join(removed)}")
+    return notes
 
 
 def call_sites(index: ClassIndex) -> dict[str, list[str]]:
