@@ -9,8 +9,10 @@
 SCENARIO is a file, or the name of one in the scenario library shipped with
 the package (``vllm_mooncake/tools/sim/scenarios/``), from any directory.
 Exit codes: 0 the runs completed (wedged or not -- a wedge is a result);
-1 ``--fail-on-wedge`` saw a wedge or ``--check`` an unexpected outcome;
-2 a bad scenario or command line (the message names the field).
+1 ``--fail-on-wedge`` saw a wedge, ``--check`` an unexpected outcome, or a
+run leaked (every run ends with a drain and a leak check; the findings are
+in the result's ``leaks`` and on stderr); 2 a bad scenario or command line
+(the message names the field).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from vllm_mooncake.tools.sim.errors import ScenarioError
 
 if TYPE_CHECKING:
     from vllm_mooncake.tools.sim.compare import ProgressFactory
+    from vllm_mooncake.tools.sim.results import RunResult
     from vllm_mooncake.tools.sim.scenario import Scenario
 
 # The scenario library: package data, so an installed wheel finds it too.
@@ -164,7 +167,7 @@ def _progress(args: argparse.Namespace) -> ProgressFactory | None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from vllm_mooncake.tools.sim.compare import format_table, run_policies
+    from vllm_mooncake.tools.sim.compare import describe, format_table, run_policies
 
     scenario = _load(args)
     if args.policy:
@@ -175,12 +178,25 @@ def _run(args: argparse.Namespace) -> int:
     else:
         out = Path(args.out or RESULTS_DIR / scenario.name / f"{scenario.policy}.json")
         print(format_table([result]))
+        for line in describe([result]):
+            print(line)
         print(f"result: {result.write(out)}")
     if args.plot:
         from vllm_mooncake.tools.sim.plot import plot_results
 
         print(f"plot: {plot_results([result], args.plot)}")
-    return EXIT_FAILED if args.fail_on_wedge and result.wedged else EXIT_OK
+    leaked = _report_leaks([result])
+    if leaked or (args.fail_on_wedge and result.wedged):
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _report_leaks(results: Sequence[RunResult]) -> bool:
+    """Each leak finding on stderr; True if a run leaked."""
+    for result in results:
+        for leak in result.leaks:
+            print(f"leak: {result.policy}: {leak}", file=sys.stderr)
+    return any(r.leaks for r in results)
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -206,12 +222,14 @@ def _compare(args: argparse.Namespace) -> int:
         print(line)
     print(f"results: {out_dir}/")
     print(f"plot: {plot}")
+    leaked = _report_leaks(results)
     if args.check:
         problems = mismatches(scenario, results)
         for problem in problems:
             print(f"unexpected: {problem}", file=sys.stderr)
-        return EXIT_FAILED if problems else EXIT_OK
-    return EXIT_OK
+        if problems:
+            return EXIT_FAILED
+    return EXIT_FAILED if leaked else EXIT_OK
 
 
 if __name__ == "__main__":

@@ -20,6 +20,11 @@ Life cycle of a disaggregated request (pd mode):
    tokens; the first is the request's first token (TTFT), the last its
    completion (E2E). Its closed-loop client then sends the next request.
 
+A scripted request may be aborted (``abort_at_s``, or in single mode
+``abort_at_step``): every rank that holds it calls vLLM's real
+``finish_requests`` with FINISHED_ABORTED (a prefill rank holding its blocks
+for the pull releases them), and it completes with reason ``abort``.
+
 A direct request (``pd_fraction`` < 1, ``route: direct``) skips 2-4: a
 decode rank computes its prompt, after its store hit if any. In single mode
 there is one rank and every request is added to it as scripted.
@@ -29,7 +34,10 @@ active rank has a clock (the start of its next step). The loop takes
 whichever comes first -- events before steps at equal times -- so every rank
 sees exactly what arrived before its step starts. A step's effects happen at
 its end (its clock then moves there). The run stops when every request
-completed, a rank wedged, or a limit was reached.
+completed, a rank wedged, or a limit was reached. Then every rank is drained
+(what is left is aborted, held blocks released, the rank stepped idle) and
+checked for leaks (:meth:`Rank.drain`); the findings go into the result's
+``leaks``.
 """
 
 from __future__ import annotations
@@ -57,13 +65,15 @@ ProgressFn = Callable[[float, int, int, int], None]
 # count restarts), False stops it there as usual.
 WedgeFn = Callable[["Cluster", Rank], bool]
 PROGRESS_EVERY = 200  # steps between progress calls
+DRAIN_STEPS = 10_000  # steps per rank to drain after the run
 
 
 @dataclass(order=True)
 class _Event:
     at: float
     seq: int
-    kind: str = field(compare=False)  # "arrive" | "handoff" | "pulled" | "lease"
+    # "arrive" | "handoff" | "pulled" | "lease" | "abort"
+    kind: str = field(compare=False)
     req_id: str = field(compare=False)
 
 
@@ -100,6 +110,11 @@ class Cluster:
             (r for r in workload.requests if r.arrival_step is not None),
             key=lambda r: (r.arrival_step or 0, r.index),
         )
+        self._step_aborts = sorted(
+            (r for r in workload.requests if r.abort_at_step is not None),
+            key=lambda r: (r.abort_at_step or 0, r.index),
+        )
+        self.aborted: set[str] = set()
 
     # ---- set-up -------------------------------------------------------------------
     def _build_ranks(self) -> tuple[list[Rank], list[Rank]]:
@@ -127,6 +142,9 @@ class Cluster:
         for r in self.workload.requests:
             if r.arrival_s is not None:
                 self._push(r.arrival_s, "arrive", r.req_id)
+        for r in self.workload.requests:  # after the arrivals at equal times
+            if r.abort_at_s is not None:
+                self._push(r.abort_at_s, "abort", r.req_id)
 
     def _send_next_closed(self, at: float) -> None:
         if self._next_closed >= len(self.workload.requests):
@@ -144,8 +162,16 @@ class Cluster:
         self._schedule_arrivals()
         stop = self._loop()
         result = self.recorder.result(header, self.ranks, stop, self.now)
+        result.leaks = self.drain()
         result.wall_seconds = round(time.perf_counter() - start, 3)
         return result
+
+    def drain(self) -> list[str]:
+        """Drain every rank after the run; the leaks found (empty: none)."""
+        leaks: list[str] = []
+        for rank in self.ranks:
+            leaks += rank.drain(DRAIN_STEPS)
+        return leaks
 
     def _loop(self) -> str:
         limits = self.scenario.limits
@@ -218,6 +244,8 @@ class Cluster:
             self._handoff(request)
         elif event.kind in ("pulled", "lease"):
             self._release(request, expired=event.kind == "lease")
+        elif event.kind == "abort":
+            self._abort(request)
         else:
             raise SimulationError(f"unknown event {event.kind!r}")
 
@@ -234,7 +262,23 @@ class Cluster:
             route.decode = self._pick(self.decode, request)
             self._add(route.decode, request, _local_params(request), request.max_tokens)
 
+    def _abort(self, request: SimRequest) -> None:
+        """Abort ``request`` wherever it is (no-op once it completed)."""
+        req_id = request.req_id
+        times = self.recorder.requests.get(req_id)
+        if times is None or times.done_s is not None:
+            return
+        route = self.routes.get(req_id, _Route())
+        for rank in (route.prefill, route.decode):
+            if rank is not None:
+                rank.abort(req_id, self.now)
+                rank.release(req_id, self.now)  # a prefill rank's held blocks
+        self.aborted.add(req_id)
+        self._complete(req_id, "abort", self.now)
+
     def _handoff(self, request: SimRequest) -> None:
+        if request.req_id in self.aborted:
+            return  # aborted between prefill and decode
         route = self.routes[request.req_id]
         route.decode = self._pick(self.decode, request)
         self._add(route.decode, request, _decode_params(request), request.max_tokens)
@@ -268,6 +312,7 @@ class Cluster:
     # ---- steps ---------------------------------------------------------------------
     def _step(self, rank: Rank) -> None:
         self._deliver_step_arrivals(rank)
+        self._deliver_step_aborts(rank)
         step = rank.step()
         self.recorder.step(rank, step, serves_client=rank.role != "prefill")
         if rank.role == "prefill":
@@ -277,6 +322,15 @@ class Cluster:
         if rank.role == "decode":
             for req_id in step.recv_done:
                 self._push(step.end_s, "pulled", req_id)
+
+    def _deliver_step_aborts(self, rank: Rank) -> None:
+        while self._step_aborts and rank.role == "single":
+            request = self._step_aborts[0]
+            if (request.abort_at_step or 0) > rank.num_steps:
+                return
+            self._step_aborts.pop(0)
+            self.now = max(self.now, rank.clock)
+            self._abort(request)
 
     def _deliver_step_arrivals(self, rank: Rank) -> None:
         while self._step_arrivals and rank.role == "single":
@@ -304,6 +358,8 @@ class Cluster:
             self._complete(req_id, reason, step.end_s)
 
     def _complete(self, req_id: str, reason: str, at: float) -> None:
+        if reason != "abort" and req_id in self.aborted:
+            return  # completed when it was aborted
         self.recorder.completed(req_id, reason, at)
         if self.workload.closed_loop:
             self._send_next_closed(at)

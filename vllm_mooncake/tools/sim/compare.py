@@ -64,12 +64,13 @@ def _quiet_run(scenario: Scenario, scale: float) -> RunResult:
 
 def mismatches(scenario: Scenario, results: Sequence[RunResult]) -> list[str]:
     """``expect`` entries the results do not meet, as sentences."""
-    expected = scenario.expected()
+    expected = scenario.expectations()
     out = []
     for r in results:
         want = expected.get(r.policy)
-        if want is not None and r.outcome != want:
-            out.append(f"{r.policy}: expected {want}, got {r.outcome}")
+        if want is not None:
+            for problem in want.problems(r.outcome, r.lateral_preemptions):
+                out.append(f"{r.policy}: {problem}")
     return out
 
 
@@ -94,6 +95,7 @@ COLUMNS: tuple[tuple[str, int, Callable[[RunResult], str]], ...] = (
     ("max stall", 10, lambda r: str(r.max_stall_steps)),
     ("stalled s", 10, lambda r: f"{r.stalled_seconds:.2f}"),
     ("lateral", 8, lambda r: str(r.lateral_preemptions)),
+    ("exhausted", 10, lambda r: str(r.attempts_exhausted)),
     ("wall s", 7, lambda r: f"{r.wall_seconds:.1f}"),
 )
 
@@ -116,7 +118,8 @@ def format_table(results: Sequence[RunResult]) -> str:
 
 
 def describe(results: Sequence[RunResult]) -> list[str]:
-    """One line per wedged or livelocked run: where, and when the run stopped."""
+    """One line per wedged, livelocked or leaking run: where, and when the
+    run stopped (a leak: what the drained ranks still held)."""
     out = []
     for r in results:
         if r.wedged:
@@ -124,6 +127,11 @@ def describe(results: Sequence[RunResult]) -> list[str]:
                 f"{r.policy}: rank(s) {', '.join(r.wedged_ranks)} wedged; the run "
                 f"stopped at t={r.sim_seconds:.2f}s with {r.finished}/{r.total} "
                 "finished"
+            )
+        if r.leaks:
+            out.append(
+                f"{r.policy}: LEAK: {len(r.leaks)} finding(s) after draining the "
+                f"ranks: {'; '.join(r.leaks[:5])}"
             )
         for loop in r.livelocked:
             out.append(

@@ -121,6 +121,13 @@ class Rank:
         self._loads_since_token: dict[ReqId, int] = {}
         self._loads_seen = 0
         self.livelocked: dict[ReqId, int] = {}  # request -> loads, in order
+        # Every lateral preemption: {rank, step, t_s, victim, target, reason,
+        # owner}, in order.
+        self.laterals: list[dict[str, Any]] = []
+        # Aborted requests vLLM still keeps: until their receive lands, and
+        # (producer side, delay_free) until their send is reported done.
+        self._aborted: set[ReqId] = set()
+        self._abort_released: set[ReqId] = set()
 
     # ---- observations ----------------------------------------------------------
     @property
@@ -143,7 +150,12 @@ class Rank:
     @property
     def active(self) -> bool:
         """Whether stepping the rank can do anything."""
-        return bool(self.num_unfinished or self._sends)
+        if self._aborted:
+            # An aborted request whose receive is in flight is freed when it
+            # lands, which takes steps.
+            self._aborted &= self.scheduler.requests.keys()
+            self._abort_released &= self._aborted
+        return bool(self.num_unfinished or self._sends or self._aborted)
 
     @property
     def load(self) -> int:
@@ -171,6 +183,32 @@ class Rank:
             arrival_time=at,  # vLLM orders equal priorities by it
         )
 
+    def abort(self, req_id: ReqId, at: float) -> bool:
+        """Abort a live request here (vLLM's ``finish_requests``, ABORTED)."""
+        request = self.scheduler.requests.get(req_id)
+        if request is None or request.is_finished():
+            return False
+        self.wake(at)
+        self.driver.abort(req_id)
+        self._emitted.discard(req_id)
+        self._loads_since_token.pop(req_id, None)
+        if req_id in self.scheduler.requests:
+            self._aborted.add(req_id)
+        return True
+
+    def _release_aborted(self) -> None:
+        """An aborted producer-side request (``delay_free``) whose receive, if
+        any, has landed: its send is reported done next step. The decode side
+        will never pull it; NIXL's producer frees it after its abort timeout
+        (here: at once)."""
+        if not self._aborted:
+            return
+        in_flight = self.driver.worker.in_flight
+        for req_id in sorted(self._aborted - self._abort_released - in_flight):
+            if req_id in self.scheduler.requests:
+                self._abort_released.add(req_id)
+                self._sends.append(req_id)
+
     def release(self, req_id: ReqId, at: float) -> bool:
         """Free a held request's blocks in the next step (pull done / lease out)."""
         if req_id not in self.held:
@@ -194,6 +232,18 @@ class Rank:
         self._window = (self.clock, self.clock + cost)
         self.driver.worker.set_window(*self._window)
         self._unfinished_at_schedule = self.num_unfinished
+        for victim, target in self.scheduler._lateral_this_call:
+            self.laterals.append(
+                {
+                    "rank": self.name,
+                    "step": self.driver.num_steps,
+                    "t_s": round(self.clock, 6),
+                    "victim": victim.req_id,
+                    "target": target,
+                    "reason": victim.reason.value,
+                    "owner": victim.owner,
+                }
+            )
 
     def step(self) -> RankStep:
         sends, self._sends = self._sends, []
@@ -213,6 +263,7 @@ class Rank:
         self._observe_stall(out)
         if out.tokens:
             self.busy_s += end - start
+        self._release_aborted()
         self.last_end = end
         self.clock = self._next_start(out)
         out.free_blocks = self.driver.num_free_blocks
@@ -258,6 +309,38 @@ class Rank:
         )
         resolvable = bool(in_flight or self.held or self._sends)
         self.stalls.observe(out.start_s, out.end_s, out.blocked, resolvable)
+
+    def drain(self, max_steps: int) -> list[str]:
+        """Abort what is left, release held blocks, step until idle; list leaks.
+
+        The leak check of vLLM's ``assert_scheduler_empty`` plus the guard's
+        ledger and the worker's receives, each finding prefixed by the rank.
+        """
+        from vllm_mooncake.testing.leaks import scheduler_leaks
+
+        at = self.last_end
+        for req_id in sorted(self.held):
+            self.release(req_id, at)
+        live = [
+            r for r, req in self.scheduler.requests.items() if not req.is_finished()
+        ]
+        for req_id in live:
+            self.abort(req_id, at)
+        for _ in range(max_steps):
+            if not (self.active or self.driver.worker.in_flight):
+                break
+            self.step()
+        problems = scheduler_leaks(self.scheduler)
+        ledger = self.scheduler.wedge_guard.ledger
+        if len(ledger):
+            problems.append(
+                f"guard ledger not empty: {[e.req_id for e in ledger.entries()]}"
+            )
+        if self.driver.worker.in_flight:
+            problems.append(
+                f"receives still in flight: {sorted(self.driver.worker.in_flight)}"
+            )
+        return [f"{self.name}: {p}" for p in problems]
 
     def _next_start(self, out: RankStep) -> float:
         """End of the step; or, waiting only for receives, when the next lands."""

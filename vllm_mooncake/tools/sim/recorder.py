@@ -15,6 +15,7 @@ from vllm_mooncake.tools.sim.results import RankResult, RunResult, percentiles
 
 TIMELINE_BINS = 120
 SUCCESS = ("length", "stop")
+ABORTED = "abort"
 
 
 @dataclass
@@ -76,6 +77,7 @@ class Recorder:
     ) -> RunResult:
         done = [t for t in self.requests.values() if t.done_s is not None]
         ok = [t for t in done if t.reason in SUCCESS]
+        aborted = sum(1 for t in done if t.reason == ABORTED)
         output_tokens = sum(n for _, n in self._tokens)
         wedged = [r.name for r in ranks if r.stalls.wedged]
         for r in ranks:
@@ -83,7 +85,8 @@ class Recorder:
         return RunResult(
             stop_reason=stop_reason,
             finished=len(ok),
-            failed=len(done) - len(ok),
+            failed=len(done) - len(ok) - aborted,
+            aborted=aborted,
             total=self.total,
             wedged=bool(wedged),
             wedged_ranks=wedged,
@@ -96,6 +99,11 @@ class Recorder:
             stalled_seconds=round(sum(r.stalls.stalled_s for r in ranks), 6),
             lateral_preemptions=sum(
                 r.guard_stats.total_lateral_preemptions for r in ranks
+            ),
+            attempts_exhausted=sum(r.guard_stats.attempts_exhausted for r in ranks),
+            laterals=sorted(
+                (entry for r in ranks for entry in r.laterals),
+                key=lambda e: (e["t_s"], e["rank"], e["step"]),
             ),
             preemptions=self.preemptions,
             lease_expired=self.lease_expired,

@@ -2,9 +2,11 @@
 
 Top-level fields (all times in simulated seconds unless named ``wall``):
 
-``finished`` / ``failed`` / ``total``
+``finished`` / ``failed`` / ``aborted`` / ``total``
     requests that completed (length/stop), that ended in an error (a failed
-    load under ``kv_load_failure_policy: fail``), and that the workload has.
+    load under ``kv_load_failure_policy: fail``), that a scripted
+    ``abort_at_s`` / ``abort_at_step`` aborted, and that the workload has; a
+    request counted in none of the first three is lost.
 ``stop_reason``, ``completed``
     ``done`` (every request completed), ``wedged``, ``livelock``,
     ``max_sim_s`` or ``max_steps``; ``completed`` is ``stop_reason == "done"``.
@@ -22,6 +24,22 @@ Top-level fields (all times in simulated seconds unless named ``wall``):
 ``lateral_preemptions``, ``preemptions``, ``lease_expired``
     the guard's lateral preemptions; all preemptions vLLM reported (running
     and lateral); P->D leases that ran out before the decode rank pulled.
+``laterals``
+    every lateral preemption, in simulated-time order: ``rank``, ``step``
+    (that rank's step index), ``t_s`` (the step's start), ``victim``,
+    ``target`` (the request being admitted), ``reason`` (``recv_done`` /
+    ``promoted_idle``) and ``owner`` (the child that loaded the victim).
+    Entries sharing rank and step came from one ``schedule()`` call.
+``attempts_exhausted``
+    ``schedule()`` calls in which the valve wanted another lateral
+    preemption past ``guard.max_attempts`` (summed over ranks): a wedge the
+    valve needed more than one step to clear.
+``leaks``
+    after the run every rank is drained (what is left aborted, held blocks
+    released, stepped idle) and checked: vLLM's scheduler must hold no
+    request, queue entry, reservation or block, the guard's ledger no entry
+    and the worker no receive. ``[]`` when clean, else one line per finding
+    (``"d0: requests not empty: [...]"``).
 ``output_tokens``, ``sim_seconds``, ``throughput_tok_s``
     tokens sampled by decode (or single) ranks, the simulated makespan, and
     their ratio.
@@ -117,6 +135,10 @@ class RunResult:
     stalls: list[dict[str, Any]] = field(default_factory=list)
     wall_seconds: float = 0.0
     livelocked: list[dict[str, Any]] = field(default_factory=list)
+    aborted: int = 0
+    attempts_exhausted: int = 0
+    laterals: list[dict[str, Any]] = field(default_factory=list)
+    leaks: list[str] = field(default_factory=list)
     schema: str = SCHEMA
 
     @property

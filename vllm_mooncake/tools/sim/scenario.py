@@ -13,7 +13,9 @@ documents every field. Sections:
 * ``pd``        -- the P->D hand-off, the NIXL-like transfer and the lease.
 * ``limits``    -- when a run stops: simulated time, steps, wedge detection.
 * ``workload`` (generated) or ``requests`` (a scripted list) -- exactly one.
-* ``expect``    -- the outcome per policy (``finished`` / ``wedged``), which
+* ``expect``    -- per policy, the outcome (``finished`` / ``wedged`` /
+  ``livelock``) and optionally bounds on ``lateral_preemptions``
+  (``{outcome: finished, lateral_preemptions: {max: 2}}``), which
   ``compare --check`` and the tests assert.
 
 :func:`parse_scenario` turns the mapping into frozen dataclasses; every error
@@ -161,6 +163,35 @@ class RequestEntry:
     route: str = "pd"
     load: LoadSpec | None = None
     transfer: LoadSpec | None = None
+    # Abort the request (vLLM's finish_requests, FINISHED_ABORTED) at this
+    # simulated time, or (single mode) before this rank step; None: never.
+    abort_at_s: float | None = None
+    abort_at_step: int | None = None
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What ``expect.<policy>`` asks of a run under that policy."""
+
+    outcome: str | None = "finished"  # None: any outcome
+    lateral_min: int | None = None
+    lateral_max: int | None = None
+
+    def problems(self, outcome: str, lateral_preemptions: int) -> list[str]:
+        """What a run with ``outcome`` and that many laterals misses."""
+        out = []
+        if self.outcome is not None and outcome != self.outcome:
+            out.append(f"expected {self.outcome}, got {outcome}")
+        lo, hi = self.lateral_min, self.lateral_max
+        if lo is not None and lateral_preemptions < lo:
+            out.append(
+                f"expected lateral_preemptions >= {lo}, got {lateral_preemptions}"
+            )
+        if hi is not None and lateral_preemptions > hi:
+            out.append(
+                f"expected lateral_preemptions <= {hi}, got {lateral_preemptions}"
+            )
+        return out
 
 
 @dataclass(frozen=True)
@@ -189,7 +220,7 @@ class Scenario:
     limits: LimitsSpec = field(default_factory=LimitsSpec)
     workload: WorkloadSpec | None = None
     requests: tuple[RequestEntry, ...] = ()
-    expect: tuple[tuple[str, str], ...] = ()
+    expect: tuple[tuple[str, Expectation], ...] = ()
     source: str = ""
 
     @property
@@ -197,6 +228,10 @@ class Scenario:
         return self.guard.policy
 
     def expected(self) -> dict[str, str]:
+        """The expected outcome per policy (policies that name one)."""
+        return {p: e.outcome for p, e in self.expect if e.outcome is not None}
+
+    def expectations(self) -> dict[str, Expectation]:
         return dict(self.expect)
 
     def with_policy(self, policy: str) -> Scenario:
@@ -483,6 +518,7 @@ def _request(r: Reader, index: int, mode: str) -> RequestEntry:
     arrival_step, arrival_s = _arrival(r, mode)
     load = r.optional_section("load")
     transfer = r.optional_section("transfer")
+    abort_step, abort_s = _abort(r, mode)
     entry = RequestEntry(
         id=r.string("id", f"r{index}"),
         prompt_tokens=r.integer("prompt_tokens", 0, 1),
@@ -495,6 +531,8 @@ def _request(r: Reader, index: int, mode: str) -> RequestEntry:
         transfer=None
         if transfer is None
         else _transfer_override(transfer, mode, route),
+        abort_at_s=abort_s,
+        abort_at_step=abort_step,
     )
     r.done()
     if entry.load is not None and entry.load.tokens > entry.prompt_tokens:
@@ -502,7 +540,63 @@ def _request(r: Reader, index: int, mode: str) -> RequestEntry:
             r.where("load.tokens"),
             f"{entry.load.tokens} exceeds prompt_tokens ({entry.prompt_tokens})",
         )
+    _check_valid_tokens(r, "load", entry.load, entry.prompt_tokens)
+    _check_valid_tokens(r, "transfer", entry.transfer, entry.prompt_tokens)
+    _check_abort(r, entry)
     return entry
+
+
+def _check_valid_tokens(
+    r: Reader, name: str, load: LoadSpec | None, prompt_tokens: int
+) -> None:
+    """``valid_tokens`` (tokens that arrived) cannot exceed the tokens offered."""
+    if load is None:
+        return
+    if load.tokens == -1:
+        offered, what = (
+            prompt_tokens,
+            f"prompt_tokens ({prompt_tokens}; {name}.tokens is -1: the whole prompt)",
+        )
+    else:
+        offered, what = load.tokens, f"{name}.tokens ({load.tokens})"
+    if load.valid_tokens > offered:
+        raise ScenarioError(
+            r.where(f"{name}.valid_tokens"),
+            f"{load.valid_tokens} exceeds {what}; give at most {offered} "
+            "(the tokens of the load that arrived; outcome: ok for all of them)",
+        )
+
+
+def _abort(r: Reader, mode: str) -> tuple[int | None, float | None]:
+    """(abort_at_step, abort_at_s): at most one is set."""
+    step = r.optional_integer("abort_at_step", 0)
+    seconds = r.optional_number("abort_at_s", 0)
+    if step is not None and seconds is not None:
+        raise ScenarioError(
+            r.where("abort_at_step"), "give abort_at_step or abort_at_s, not both"
+        )
+    if step is not None and mode != "single":
+        raise ScenarioError(
+            r.where("abort_at_step"),
+            "only for mode: single (pd ranks share no step count); use abort_at_s",
+        )
+    return step, seconds
+
+
+def _check_abort(r: Reader, entry: RequestEntry) -> None:
+    step, arrival_step = entry.abort_at_step, entry.arrival_step
+    if step is not None and arrival_step is not None and step < arrival_step:
+        raise ScenarioError(
+            r.where("abort_at_step"),
+            f"{step} is before arrival_step ({arrival_step}); abort at or after "
+            "the arrival",
+        )
+    at, arrival_s = entry.abort_at_s, entry.arrival_s
+    if at is not None and arrival_s is not None and at < arrival_s:
+        raise ScenarioError(
+            r.where("abort_at_s"),
+            f"{at} is before arrival_s ({arrival_s}); abort at or after the arrival",
+        )
 
 
 def _arrival(r: Reader, mode: str) -> tuple[int | None, float | None]:
@@ -566,16 +660,39 @@ def _transfer_override(r: Reader, mode: str, route: str) -> LoadSpec:
     return spec
 
 
-def _expect(r: Reader) -> tuple[tuple[str, str], ...]:
+def _expect(r: Reader) -> tuple[tuple[str, Expectation], ...]:
+    """``expect.<policy>``: an outcome, or ``{outcome, lateral_preemptions}``."""
     out = []
     for policy in r.raw:
         if policy not in POLICY_NAMES:
             raise ScenarioError(
                 r.where(str(policy)), f"not a policy; {_one_of(POLICY_NAMES, policy)}"
             )
-        out.append((str(policy), r.choice(str(policy), "finished", EXPECTED)))
+        name = str(policy)
+        if isinstance(r.raw[name], dict):
+            out.append((name, _expectation(r.section(name))))
+        else:
+            out.append((name, Expectation(r.choice(name, "finished", EXPECTED))))
     r.done()
     return tuple(out)
+
+
+def _expectation(r: Reader) -> Expectation:
+    outcome = r.choice("outcome", "", EXPECTED) or None
+    bounds = r.optional_section("lateral_preemptions")
+    lo = hi = None
+    if bounds is not None:
+        lo = bounds.optional_integer("min", 0)
+        hi = bounds.optional_integer("max", 0)
+        bounds.done()
+        if lo is None and hi is None:
+            raise ScenarioError(bounds.path, "give min:, max: or both")
+        if lo is not None and hi is not None and lo > hi:
+            raise ScenarioError(bounds.where("min"), f"{lo} exceeds max ({hi})")
+    r.done()
+    if outcome is None and bounds is None:
+        raise ScenarioError(r.path, "give outcome:, lateral_preemptions: or both")
+    return Expectation(outcome, lo, hi)
 
 
 # ---- cross-field checks ---------------------------------------------------------

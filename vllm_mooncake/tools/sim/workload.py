@@ -75,6 +75,9 @@ class SimRequest:
     local_load: Load | None = None  # on the rank that computes the prompt
     transfer: Load | None = None  # pd mode: the decode rank's P->D receive
     think_s: float = 0.0  # closed loop: the client's pause before sending it
+    # Scripted aborts: at this simulated time / (single mode) before this step.
+    abort_at_s: float | None = None
+    abort_at_step: int | None = None
 
     @property
     def disaggregated(self) -> bool:
@@ -211,6 +214,8 @@ def _scripted(s: Scenario, entry: RequestEntry, i: int) -> SimRequest:
         arrival_step=entry.arrival_step,
         local_load=local,
         transfer=transfer,
+        abort_at_s=entry.abort_at_s,
+        abort_at_step=entry.abort_at_step,
     )
 
 
