@@ -66,9 +66,45 @@ def test_bad_children_fail_at_start_up(connectors: Any, hint: str) -> None:
         SchedulerDriver.build(EngineShape(), cfg)
 
 
-def test_register_is_idempotent() -> None:
+def test_register_is_idempotent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM loads general plugins more than once per process: a second
+    ``register()`` must leave exactly what the first did -- one factory
+    entry, one ``VllmConfig.__post_init__`` wrapper (a stacked wrapper would
+    validate and select twice), and the guard still selected."""
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import (
+        KVConnectorFactory,
+    )
+
+    from vllm_mooncake import CONNECTOR_NAME
+    from vllm_mooncake.guard.connector import WedgeGuardConnector
+
     register()
-    register()  # a second process-level load must not raise
+    post_init = VllmConfig.__post_init__
+    registry = dict(KVConnectorFactory._registry)
+    register()
+    register()
+    assert VllmConfig.__post_init__ is post_init
+    assert dict(KVConnectorFactory._registry) == registry
+    assert KVConnectorFactory.get_connector_class_by_name(CONNECTOR_NAME) is (
+        WedgeGuardConnector
+    )
+    # One wrapper: the guard's start-up check runs once per config.
+    import vllm_mooncake.plugin as plugin
+
+    calls: list[object] = []
+    validate = plugin.validate_guard_config
+
+    def counting(config: Any) -> None:
+        calls.append(config)
+        validate(config)
+
+    monkeypatch.setattr(plugin, "validate_guard_config", counting)
+    config = make_vllm_config(EngineShape(), guarded())
+    assert config.scheduler_config.scheduler_cls == plugin.SYNC_SCHEDULER
+    # make_vllm_config re-runs configure_for_guard itself (async settled):
+    # once from the wrapper's pre-check, once from each configure_for_guard.
+    assert len(calls) == 3
 
 
 @pytest.mark.parametrize(
