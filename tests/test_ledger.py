@@ -171,10 +171,10 @@ def test_ledger_module_imports_no_vllm() -> None:
     assert not any(name.startswith("vllm") for name in imported), imported
 
 
-def test_scheduled_again_updates_runners_and_hands_back_the_rest() -> None:
-    """The per-step fast path takes progress and new blocks of requests that
-    ran before; one that never executed or has a receive state goes back to
-    the full check (which raises for a receive in flight)."""
+def test_scheduled_again_hands_back_only_what_needs_a_check() -> None:
+    """The per-step path: a request that ran before with no receive state
+    costs nothing; one that never executed or has a receive state goes back
+    to the full check (which raises for a receive in flight)."""
     ledger = _ledger_with("ran", "loaded", "inflight")
     ledger.on_lookup("ran", None, 0, False)
     ledger.on_alloc("ran", 2, 0)
@@ -182,11 +182,19 @@ def test_scheduled_again_updates_runners_and_hands_back_the_rest() -> None:
     _loaded(ledger, "loaded")
     _loaded(ledger, "inflight", done=False)
     full = ledger.on_scheduled_again(
-        ["ran", "loaded", "inflight", "gone"], [33, 160, 160, 5], [1, 0, 0, 0]
+        ["ran", "loaded", "inflight", "gone"],
+        [33, 160, 160, 5],
+        [([7],), ([8],), None, None],
     )
-    entry = ledger.get("ran")
-    assert entry is not None
-    assert (entry.computed_tokens, entry.num_blocks) == (33, 3)
-    assert full == [("loaded", 160, 10), ("inflight", 160, 10)]
+    assert full == [("loaded", 160, 11), ("inflight", 160, 10)]
     with pytest.raises(LedgerError, match="in flight"):
         ledger.on_scheduled(*full[1])
+    ledger.on_scheduled(*full[0])
+    # Only settled runners scheduled: nothing to hand back.
+    assert ledger.on_scheduled_again(["ran", "loaded"], [34, 161], None) == []
+    # A runner preempted laterally after a load is checked again when it runs.
+    ledger.on_lateral_preempt("loaded")
+    assert ledger.on_scheduled_again(["loaded"], [0], None) == []
+    ledger.on_lookup("loaded", "store", 16, True)
+    ledger.on_alloc("loaded", 4, 16)
+    assert ledger.on_scheduled_again(["loaded"], [16], None) == [("loaded", 16, 4)]

@@ -293,6 +293,31 @@ def test_guard_stats_payload_aggregates_counters_and_keeps_newest_gauges() -> No
     assert a.is_empty() and a.guard_stats == GuardStats()
 
 
+@pytest.mark.parametrize(
+    "moved",
+    ["none", "counter", "lateral", "labeled", "gauge"],
+)
+def test_report_emptiness_read_from_data_matches_the_stats(moved: str) -> None:
+    """``is_empty`` reads the report's data directly (vLLM asks every step);
+    it must say what the rebuilt stats say."""
+    stats = GuardStats()
+    if moved == "counter":
+        stats.wedges_resolved = 1
+    elif moved == "lateral":
+        stats.lateral_preemptions[("recv_done", "nixl")] = 1
+    elif moved == "labeled":
+        stats.load_retry_cutoffs["store"] = 1
+    elif moved == "gauge":
+        stats.stalled_steps = 3
+    report = GuardKVConnectorStats.from_guard_stats(stats, moved == "gauge")
+    assert report.is_empty() == (report.guard_stats.is_empty() and moved != "gauge")
+    assert report.is_empty() == (moved == "none")
+    gauges = GuardKVConnectorStats.of_gauges(stats)
+    assert not gauges.is_empty()
+    assert gauges.guard_stats.stalled_steps == stats.stalled_steps
+    assert gauges.guard_stats.total_lateral_preemptions == 0
+
+
 def test_build_kv_connector_stats_keeps_objects_and_handles_none() -> None:
     assert isinstance(
         WedgeGuardConnector.build_kv_connector_stats(None), MultiKVConnectorStats

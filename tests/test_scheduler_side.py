@@ -46,8 +46,8 @@ class FakeBlocks:
     ids: list[int] = field(default_factory=list)
 
     @property
-    def blocks(self) -> list[int]:
-        return self.ids
+    def blocks(self) -> tuple[list[int], ...]:  # one KV cache group
+        return (self.ids,)
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         return (self.ids,)

@@ -38,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
 from vllm_mooncake.guard.config import GuardConfig, validate_children
 from vllm_mooncake.guard.containment import ContainedChild
 from vllm_mooncake.guard.metrics import (
+    GuardKVConnectorStats,
     KVConnectorPromMetrics,
     KVConnectorStats,
     WedgeGuardPromMetrics,
@@ -179,17 +180,35 @@ class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
     # payload with build_kv_connector_stats() and records it with the object
     # build_prom_metrics() returned.
     _guard_stats_reported: GuardStats | None = None  # snapshot at the last report
+    _guard_fingerprint = GuardStats().fingerprint()  # of that snapshot
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """The children's stats plus the guard's counters since the last call."""
+        """The children's stats plus the guard's counters since the last call.
+
+        Called after every step. When nothing moved since the last report the
+        guard adds nothing; when only gauges moved (holders come and go) it
+        reports them without computing a counter delta.
+        """
         stats = super().get_kv_connector_stats()
         if self._side is None:
             return stats
         current = self._side.stats
+        fingerprint = current.fingerprint()
+        if fingerprint == self._guard_fingerprint:
+            return stats
         last = self._guard_stats_reported or GuardStats()
-        report = guard_stats_report(current, last)
-        if report is not None:
+        report: GuardKVConnectorStats | None
+        if fingerprint[0] == self._guard_fingerprint[0]:
+            report = GuardKVConnectorStats.of_gauges(current)
+            for name in GuardStats.GAUGES:
+                setattr(last, name, getattr(current, name))
+            self._guard_stats_reported = last
+        else:
+            report = guard_stats_report(current, last)
+            if report is None:
+                return stats
             self._guard_stats_reported = GuardStats.from_dict(current.to_dict())
+        self._guard_fingerprint = fingerprint
         return with_guard_report(stats, report)
 
     @classmethod

@@ -142,6 +142,11 @@ class BlockLedger:
         # Requests whose entries were removed: completions for them are late.
         # Bounded: we keep the most recent ids only.
         self._gone: dict[ReqId, None] = {}
+        # Entries the per-step update must look at: not yet executed, or with
+        # a receive state. Every other entry is a request that runs (or ran)
+        # with nothing to check, so a step that schedules only those costs
+        # nothing here. Kept by _track after each transition.
+        self._unsettled: set[ReqId] = set()
         self._arrivals = 0
         self.dropped = DroppedNotices()
 
@@ -177,6 +182,7 @@ class BlockLedger:
             raise LedgerError(f"{req_id}: arrived twice (already tracked)")
         self._gone.pop(req_id, None)
         self._entries[req_id] = LedgerEntry(req_id, self._arrivals)
+        self._unsettled.add(req_id)
         self._arrivals += 1
 
     def on_lookup(
@@ -202,6 +208,7 @@ class BlockLedger:
                 )
             entry.recv = RecvState.IN_FLIGHT
         entry.pending_async = False
+        self._track(entry)
 
     def on_scheduled(
         self, req_id: ReqId, computed_tokens: int, num_blocks: int
@@ -215,34 +222,35 @@ class BlockLedger:
         entry.computed_tokens = computed_tokens
         entry.num_blocks = num_blocks
         entry.recv = RecvState.NONE
+        self._unsettled.discard(req_id)
 
     def on_scheduled_again(
         self,
         req_ids: Sequence[ReqId],
         computed_tokens: Sequence[int],
-        added_blocks: Sequence[int],
+        new_block_ids: Sequence[tuple[list[int], ...] | None] | None,
     ) -> list[tuple[ReqId, int, int]]:
-        """:meth:`on_scheduled` for requests scheduled in an earlier step too.
+        """The requests scheduled in an earlier step too that need
+        :meth:`on_scheduled`'s check, as ``(req_id, computed_tokens,
+        num_blocks)``: those that never executed or have a receive state.
 
-        The hot path (every running request, every step): an entry that has
-        executed and has no receive state only takes its progress and new
-        blocks. The others are returned as ``(req_id, computed_tokens,
-        num_blocks)`` for :meth:`on_scheduled`, which checks them.
+        The hot path (every running request, every step): a request that ran
+        before with nothing to check costs nothing here; its progress and
+        blocks are vLLM's to keep (the guard reads them from the scheduler
+        when it needs them). ``new_block_ids`` as vLLM's cached-request data
+        gives them (per request, per KV group, or None).
         """
-        entries = self._entries
-        none = RecvState.NONE
+        unsettled = self._unsettled
+        if not unsettled or unsettled.isdisjoint(req_ids):
+            return []
         full_check = []
-        for req_id, tokens, added in zip(
-            req_ids, computed_tokens, added_blocks, strict=True
-        ):
-            entry = entries.get(req_id)
-            if entry is None:
+        for i, req_id in enumerate(req_ids):
+            if req_id not in unsettled:
                 continue
-            if entry.executed and entry.recv is none:
-                entry.computed_tokens = tokens
-                entry.num_blocks += added
-            else:
-                full_check.append((req_id, tokens, entry.num_blocks + added))
+            ids = new_block_ids[i] if new_block_ids else None
+            added = len(ids[0]) if ids else 0
+            entry = self._entries[req_id]
+            full_check.append((req_id, computed_tokens[i], entry.num_blocks + added))
         return full_check
 
     def accept_recv_complete(self, req_id: ReqId, failed: bool) -> bool:
@@ -267,6 +275,7 @@ class BlockLedger:
                 self.dropped.unexpected += 1
             return False
         entry.recv = RecvState.FAILED if failed else RecvState.DONE
+        self._track(entry)
         if entry.finished:
             self._remove(req_id)  # its blocks are freed by vLLM now
         return True
@@ -287,6 +296,7 @@ class BlockLedger:
         if entry is None:
             return Disagreement.NO_ENTRY
         entry.recv = RecvState.FAILED if failed else RecvState.DONE
+        self._track(entry)
         return Disagreement.NO_RECV
 
     # ---- the load-retry budget --------------------------------------------------
@@ -330,6 +340,7 @@ class BlockLedger:
         entry.recv = RecvState.NONE
         entry.num_blocks = 0
         entry.computed_tokens = 0
+        self._track(entry)
 
     def on_finished(self, req_id: ReqId) -> None:
         entry = self._entries.get(req_id)
@@ -400,8 +411,16 @@ class BlockLedger:
             raise LedgerError(f"{req_id}: {what} after the request finished")
         return entry
 
+    def _track(self, entry: LedgerEntry) -> None:
+        """Keep ``entry`` in the per-step update's set while it needs checks."""
+        if entry.executed and entry.recv is RecvState.NONE:
+            self._unsettled.discard(entry.req_id)
+        else:
+            self._unsettled.add(entry.req_id)
+
     def _remove(self, req_id: ReqId) -> None:
         del self._entries[req_id]
+        self._unsettled.discard(req_id)
         self._gone[req_id] = None
         if len(self._gone) > 65536:
             self._gone.pop(next(iter(self._gone)))

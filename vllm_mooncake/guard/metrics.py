@@ -140,6 +140,13 @@ class GuardKVConnectorStats(KVConnectorStats):  # type: ignore[misc]
         data[GAUGES_CHANGED] = gauges_changed
         return cls(data=data)
 
+    @classmethod
+    def of_gauges(cls, stats: GuardStats) -> GuardKVConnectorStats:
+        """A report that sets the gauges and adds to no counter."""
+        data = GuardStats.gauges_dict(stats)
+        data[GAUGES_CHANGED] = True
+        return cls(data=data)
+
     @property
     def guard_stats(self) -> GuardStats:
         return GuardStats.from_dict(self.data)
@@ -187,7 +194,13 @@ class GuardKVConnectorStats(KVConnectorStats):  # type: ignore[misc]
         }
 
     def is_empty(self) -> bool:
-        return bool(self.guard_stats.is_empty()) and not self.gauges_changed
+        """No counter moved and no gauge to set. Read from ``data`` as it is
+        (vLLM asks after every step): what ``guard_stats.is_empty()`` says,
+        without rebuilding the stats."""
+        if self.gauges_changed:
+            return False
+        names = (*GuardStats.COUNTERS, "lateral_preemptions", *GuardStats.LABELED)
+        return not any(self.data.get(name) for name in names)
 
 
 def guard_stats_report(

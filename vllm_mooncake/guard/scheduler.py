@@ -36,6 +36,7 @@ never-executed victims), each calling ``super()``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from copy import copy
 from typing import TYPE_CHECKING, Any
 
@@ -124,9 +125,14 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         an admission-time reservation (#44560) instead.
         Removal: when vLLM offers an admission-failure hook or resolves
         W1/W2 itself.
+
+        The wrapper is armed per ``schedule()`` call, only when it can act
+        (:meth:`_arm_valve`): the running loop's hundreds of allocations per
+        step then call vLLM's method directly, at no cost.
         """
         manager = self.kv_cache_manager
         stock_allocate = manager.allocate_slots
+        self._valve: Callable[..., KVCacheBlocks | None]
 
         def allocate_slots(
             request: Request, *args: Any, **kwargs: Any
@@ -146,7 +152,24 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
                 blocks = stock_allocate(request, *args, **kwargs)
             return blocks
 
-        manager.allocate_slots = allocate_slots
+        self._valve = allocate_slots
+
+    def _arm_valve(self) -> None:
+        """Shadow ``allocate_slots`` for this call only if a lateral
+        preemption may happen in it.
+
+        Under ``only_when_idle`` a call that starts with requests running
+        admits nothing laterally: vLLM's admission loop runs only when no
+        running request was preempted in the same call, so ``running`` is
+        still non-empty when it runs.
+        """
+        config = self.wedge_guard.config
+        armed = config.policy.lateral and not (config.only_when_idle and self.running)
+        manager = self.kv_cache_manager
+        if armed:
+            manager.allocate_slots = self._valve
+        else:
+            manager.__dict__.pop("allocate_slots", None)
 
     def _may_preempt_for(self, request: Request) -> bool:
         config = self.wedge_guard.config
@@ -184,20 +207,23 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         return True
 
     def _holder_views(self) -> list[HolderView]:
+        """Every waiting request that holds KV blocks, as the guard sees it."""
         views = []
+        get_blocks = self.kv_cache_manager.get_blocks
+        recv_done = self.finished_recving_kv_req_ids
         for queue in self._access.holder_queues():
             for request in queue:
                 if not self._access.holds_blocks(request):
                     continue
-                block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+                req_id = request.request_id
+                blocks = get_blocks(req_id).blocks  # counted, no id lists built
                 views.append(
                     HolderView(
-                        req_id=request.request_id,
+                        req_id=req_id,
                         status=_STATUS.get(request.status, WaitStatus.OTHER),
                         num_computed_tokens=request.num_computed_tokens,
-                        num_blocks=len(block_ids[0]) if block_ids else 0,
-                        recv_finished=request.request_id
-                        in self.finished_recving_kv_req_ids,
+                        num_blocks=len(blocks[0]) if blocks else 0,
+                        recv_finished=req_id in recv_done,
                     )
                 )
         return views
@@ -238,6 +264,7 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         self._lateral_budget = self.wedge_guard.config.max_attempts
         self._lateral_this_call = []
+        self._arm_valve()
         output = super().schedule(*args, **kwargs)
         self._after_schedule(output)
         return output

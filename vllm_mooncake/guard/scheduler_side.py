@@ -213,7 +213,7 @@ class GuardSchedulerSide:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         """The children know of the allocation; the ledger now learns of it."""
-        num_blocks = len(blocks.get_block_ids()[0]) if blocks.blocks else 0
+        num_blocks = len(blocks.blocks[0]) if blocks.blocks else 0
         self._ledger(
             self.ledger.on_alloc, request.request_id, num_blocks, num_external_tokens
         )
@@ -265,10 +265,8 @@ class GuardSchedulerSide:
                 len(new.block_ids[0]) if new.block_ids else 0,
             )
         cached = scheduler_output.scheduled_cached_reqs
-        new_ids = cached.new_block_ids or [None] * len(cached.req_ids)
-        added = [len(ids[0]) if ids else 0 for ids in new_ids]
         for req_id, computed, blocks in self.ledger.on_scheduled_again(
-            cached.req_ids, cached.num_computed_tokens, added
+            cached.req_ids, cached.num_computed_tokens, cached.new_block_ids
         ):
             self._ledger(self.ledger.on_scheduled, req_id, computed, blocks)
 

@@ -59,6 +59,27 @@ class GuardStats:
         "load_retry_cutoffs",
     )
 
+    def fingerprint(self) -> tuple[tuple[Any, ...], tuple[int, ...]]:
+        """(counters, gauges): equal for two moments of one stats object with
+        nothing changed in between (counters only grow, labels are only
+        added) -- a cheap check before building a report."""
+        counters = (
+            tuple(getattr(self, name) for name in self.COUNTERS),
+            tuple(self.lateral_preemptions.items()),
+            tuple(tuple(getattr(self, name).items()) for name in self.LABELED),
+        )
+        return counters, tuple(getattr(self, name) for name in self.GAUGES)
+
+    @classmethod
+    def gauges_dict(cls, stats: GuardStats) -> dict[str, Any]:
+        """``to_dict()`` of stats with no counters and ``stats``'s gauges."""
+        out: dict[str, Any] = dict.fromkeys(cls.COUNTERS, 0)
+        out.update({name: getattr(stats, name) for name in cls.GAUGES})
+        out["lateral_preemptions"] = {}
+        for name in cls.LABELED:
+            out[name] = {}
+        return out
+
     @property
     def total_lateral_preemptions(self) -> int:
         return sum(self.lateral_preemptions.values())

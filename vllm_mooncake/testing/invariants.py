@@ -437,27 +437,36 @@ class InvariantChecker:
     def _watch_admissions(self) -> None:
         """Note an admission that failed while the ledger offered a victim.
 
-        Wraps the (guarded) ``allocate_slots`` of the scheduler's manager: a
-        ``None`` for a WAITING / PREEMPTED request after the valve is done.
+        Wraps the ``allocate_slots`` the scheduler's manager has for each
+        ``schedule()`` call -- the guard's valve when the guard armed it,
+        vLLM's own otherwise: a ``None`` for a WAITING / PREEMPTED request
+        after the valve is done.
         """
         from vllm.v1.request import RequestStatus
 
         scheduler = self.scheduler
         manager = scheduler.kv_cache_manager
-        allocate = manager.allocate_slots
+        arm_valve = scheduler._arm_valve
         admitting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
-        def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
-            blocks = allocate(request, *args, **kwargs)
-            if blocks is None and request.status in admitting:
-                ledger = scheduler.wedge_guard.ledger
-                views = scheduler._holder_views()
-                if ledger.pick_victim(views, request.request_id) is not None:
-                    self._blocked_with_candidate = True
-                    self.stats.blocked_with_candidate += 1
-            return blocks
+        def watched(allocate: Any) -> Any:
+            def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
+                blocks = allocate(request, *args, **kwargs)
+                if blocks is None and request.status in admitting:
+                    ledger = scheduler.wedge_guard.ledger
+                    views = scheduler._holder_views()
+                    if ledger.pick_victim(views, request.request_id) is not None:
+                        self._blocked_with_candidate = True
+                        self.stats.blocked_with_candidate += 1
+                return blocks
 
-        manager.allocate_slots = allocate_slots
+            return allocate_slots
+
+        def arm_and_watch() -> None:
+            arm_valve()
+            manager.allocate_slots = watched(manager.allocate_slots)
+
+        scheduler._arm_valve = arm_and_watch
 
     def _watch_worker_input(self) -> None:
         previous = self.driver.on_scheduled
