@@ -15,16 +15,22 @@ not), with ``time.thread_time`` (CPU) and ``time.perf_counter`` (wall). The
 variants run interleaved -- ``--chunk`` steps each, in turn, the order
 reversed every round -- so a noisy neighbour slows all of them alike; the
 ratio reported is the median over rounds of (guarded CPU per step) / (stock
-CPU per step), next to the ratio of the totals. ::
+CPU per step) with a bootstrap 95% interval, next to the ratio of the totals.
+Each concurrency in ``--sizes`` is its own interleaved run. Last, a cProfile
+of the guarded variant alone (not timed with the others) lists the guard's
+own frames that cost the most. ::
 
-    python bench/overhead.py                 # 40 rounds x 50 steps per variant
-    python bench/overhead.py --quick         # 3 rounds x 20 steps
+    python bench/overhead.py                       # 256 and 1024, 40 x 50 steps
+    python bench/overhead.py --sizes 256 --quick   # 3 rounds x 20 steps
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
+import pstats
 import random
 import statistics
 import time
@@ -147,6 +153,15 @@ def run(
     return variants
 
 
+def bootstrap_median(ratios: Sequence[float], draws: int = 2000) -> tuple[float, float]:
+    """A 95% interval of the median of ``ratios`` (percentile bootstrap)."""
+    rng = random.Random(0)
+    medians = sorted(
+        statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws)
+    )
+    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
+
+
 def report(variants: Sequence[Variant]) -> str:
     stock = next((v for v in variants if v.name == STOCK), None)
     rows = []
@@ -157,6 +172,7 @@ def report(variants: Sequence[Variant]) -> str:
             if stock is not None
             else []
         )
+        low, high = bootstrap_median(per_round) if per_round else (0.0, 0.0)
         rows.append(
             (
                 v.name,
@@ -167,7 +183,7 @@ def report(variants: Sequence[Variant]) -> str:
                 f"{t.wall_s / t.steps * 1e6:.0f}",
                 "-" if stock is None else f"{t.cpu_s / stock.timing.cpu_s:.3f}",
                 "-" if not per_round else f"{statistics.median(per_round):.3f}",
-                "-" if not per_round else f"{min(per_round):.2f}..{max(per_round):.2f}",
+                "-" if not per_round else f"{low:.3f}..{high:.3f}",
             )
         )
     headers = (
@@ -179,9 +195,25 @@ def report(variants: Sequence[Variant]) -> str:
         "wall us/step",
         "cpu x stock (total)",
         "x stock (median of rounds)",
-        "round range",
+        "median 95% CI",
     )
     return table(headers, rows)
+
+
+def guard_profile(name: str, concurrency: int, warmup: int, steps: int) -> str:
+    """cProfile top 10 of the guard's own frames (by own time) in one variant."""
+    variant = Variant(name, concurrency, num_blocks=concurrency * 80 + 1)
+    variant.steps(warmup, record=False)
+    profile = cProfile.Profile()
+    profile.enable()
+    variant.steps(steps, record=True)
+    profile.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profile, stream=out).sort_stats("tottime")
+    stats.print_stats(r"vllm_mooncake/guard/", 10)
+    lines = out.getvalue().splitlines()
+    start = next(i for i, line in enumerate(lines) if "ncalls" in line)
+    return "\n".join(line for line in lines[start:] if line.strip())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -190,8 +222,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=None, help="default 40 (quick 3)")
     p.add_argument("--chunk", type=int, default=None, help="default 50 (quick 20)")
     p.add_argument("--warmup", type=int, default=None, help="default 200 (quick 60)")
-    p.add_argument("--concurrency", type=int, default=256)
+    p.add_argument(
+        "--sizes", default="256,1024", help="concurrent requests, one run each"
+    )
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
+    p.add_argument(
+        "--profile",
+        default="reserve+lateral",
+        help="guarded variant to profile after the timing ('' for none)",
+    )
     return p
 
 
@@ -202,12 +241,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     warmup = args.warmup or (60 if args.quick else 200)
     setup()
     names = [n for n in args.variants.split(",") if n]
-    print(
-        f"# overhead: {args.concurrency} concurrent requests, {rounds} rounds x "
-        f"{chunk} steps per variant after {warmup} warm-up steps; {machine()}"
-    )
-    variants = run(names, rounds, chunk, warmup, args.concurrency)
-    print(report(variants))
+    for size in (int(n) for n in args.sizes.split(",") if n):
+        print(
+            f"# overhead: {size} concurrent requests, {rounds} rounds x "
+            f"{chunk} steps per variant after {warmup} warm-up steps; {machine()}"
+        )
+        print(report(run(names, rounds, chunk, warmup, size)))
+        if args.profile:
+            print(f"\n# the guard's own frames, {args.profile}, {size} concurrent:")
+            print(guard_profile(args.profile, size, warmup, chunk * 2))
+        print()
     return 0
 
 
