@@ -8,6 +8,7 @@ layouts, where every check passes.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -19,16 +20,24 @@ from vllm_mooncake.guard.ledger import (
     VictimReason,
     WaitStatus,
 )
+from vllm_mooncake.guard.routing import ChildRouter
 from vllm_mooncake.guard.scheduler import WedgeGuardMixin
+from vllm_mooncake.guard.scheduler_side import GuardSchedulerSide
+from vllm_mooncake.testing.cases import RandomDraw, draw_case, run_case
 from vllm_mooncake.testing.configs import guarded
 from vllm_mooncake.testing.driver import SchedulerDriver
 from vllm_mooncake.testing.invariants import (
+    ALARM,
     BLOCKS,
     ENDS,
     IN_FLIGHT,
+    LATERAL,
     LEDGER,
     NORMAL_ENDS,
+    PREFIX,
+    RESERVATION,
     RESUMED,
+    ROUTING,
     STALL,
     VICTIM,
     CheckerStats,
@@ -51,6 +60,7 @@ def checked_run(
     stall_bound: int | None = 2,
     max_steps: int = 80,
     watch_laterals: bool = True,
+    skip: tuple[str, ...] = (),
     **guard: Any,
 ) -> CheckerStats:
     """Play ``scenario`` through the guard, checking after every step."""
@@ -61,7 +71,7 @@ def checked_run(
         ),
     )
     checker = InvariantChecker(
-        driver, stall_bound=stall_bound, watch_laterals=watch_laterals
+        driver, stall_bound=stall_bound, watch_laterals=watch_laterals, skip=skip
     )
     play(
         driver,
@@ -162,7 +172,8 @@ def test_blocks_freed_behind_the_books_break_conservation(
             del self._free_request_blocks
 
     monkeypatch.setattr(WedgeGuardMixin, "_preempt_laterally", frees_behind_the_books)
-    error = broken(monkeypatch, BLOCKS, SEED, "lateral")
+    # (the lateral check sees the victim still listing its blocks first)
+    error = broken(monkeypatch, BLOCKS, SEED, "lateral", skip=(LATERAL,))
     assert "ref_cnt 1 but 2 reference(s) (held by ['A', 'B']" in str(error)
 
 
@@ -238,3 +249,206 @@ def test_stall_with_a_victim_left_is_caught(monkeypatch: pytest.MonkeyPatch) -> 
     _valve_shut(monkeypatch)
     error = broken(monkeypatch, STALL, SEED, "lateral", stall_bound=2)
     assert "3 zero-token steps" in str(error)
+
+
+# ==== policy mistakes: the valve acting when its policy says it may not ===========
+# Each mistake below is one small change to the guard. Generated runs (the
+# property tests' own generator, seeded) or a catalogue layout must make at
+# least one invariant fire -- the new policy checks, not only safety.
+def first_violation(
+    invariants: set[str], cases: int = 400, **draw: Any
+) -> InvariantViolation:
+    """Run seeded generated cases until one breaks an invariant."""
+    for i in range(cases):
+        case = draw_case(RandomDraw(f"policy-mistake:{i}"), **draw)
+        try:
+            run_case(case)
+        except InvariantViolation as error:
+            assert error.invariant in invariants, f"{case.to_json()}\n{error}"
+            return error
+    raise AssertionError(f"no invariant fired in {cases} generated cases")
+
+
+WEDGE_PRONE: dict[str, Any] = {
+    "policies": ("reserve+lateral", "lateral"),
+    "burst": True,
+}
+
+
+def test_generated_runs_pass_the_policy_checks_on_the_real_guard() -> None:
+    """The same seeds on the real guard: nothing fires, and the valve acts."""
+    laterals = 0
+    for i in range(40):
+        laterals += run_case(
+            draw_case(RandomDraw(f"policy-mistake:{i}"), **WEDGE_PRONE)
+        ).laterals
+    assert laterals > 0
+
+
+def _ignoring(
+    monkeypatch: pytest.MonkeyPatch, method: str, **config: Any
+) -> None:  # fmt: skip
+    """``method`` of the guarded scheduler runs with ``config`` overridden."""
+    original = getattr(WedgeGuardMixin, method)
+
+    def patched(self: Any, *args: Any, **kwargs: Any) -> Any:
+        side = self.wedge_guard
+        real = side.config
+        side.config = replace(real, **config)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            side.config = real
+
+    monkeypatch.setattr(WedgeGuardMixin, method, patched)
+
+
+def test_valve_opening_while_requests_run_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The ``only_when_idle`` check removed: a victim is preempted while
+    another request runs (the stall would have ended by itself)."""
+    for method in ("_may_preempt_for", "_arm_valve"):
+        if hasattr(WedgeGuardMixin, method):
+            _ignoring(monkeypatch, method, only_when_idle=False)
+    error = first_violation({LATERAL}, **WEDGE_PRONE)
+    assert "running (only_when_idle)" in str(error)
+
+
+def test_reservation_not_recomputed_after_a_preemption_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The valve retries the admission against the reservation it had
+    before it preempted a victim that was itself in the reservation."""
+    install = WedgeGuardMixin._install_admission_valve
+
+    def without_recompute(self: Any) -> None:
+        manager = self.kv_cache_manager
+        stock = manager.allocate_slots
+        first: dict[str, tuple[int, Any]] = {}
+
+        def stale(request: Any, *args: Any, **kwargs: Any) -> Any:
+            made = len(self._lateral_this_call)
+            seen = first.get(request.request_id)
+            if seen is not None and seen[0] < made and "reserved_blocks" in kwargs:
+                kwargs["reserved_blocks"] = seen[1]  # the value before the preemption
+            else:
+                first[request.request_id] = (made, kwargs.get("reserved_blocks"))
+            return stock(request, *args, **kwargs)
+
+        manager.allocate_slots = stale
+        install(self)
+
+    monkeypatch.setattr(WedgeGuardMixin, "_install_admission_valve", without_recompute)
+    error = first_violation({RESERVATION}, policies=("reserve+lateral",), burst=True)
+    assert "a fresh computation gives" in str(error)
+
+
+def test_reservation_kept_under_lateral_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(
+        WedgeGuardMixin,
+        "_inflight_prefill_reserved_blocks",
+        Scheduler._inflight_prefill_reserved_blocks,
+    )
+    error = first_violation({RESERVATION}, policies=("lateral",), burst=True)
+    assert "(policy lateral)" in str(error)
+
+
+def test_alarm_never_re_armed_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once raised, the alarm stays raised: the next stall goes unreported."""
+    observe = GuardSchedulerSide.observe_step
+
+    def never_re_armed(self: Any, *args: Any, **kwargs: Any) -> None:
+        raised = self._alarm_raised
+        observe(self, *args, **kwargs)
+        self._alarm_raised = self._alarm_raised or raised
+
+    monkeypatch.setattr(GuardSchedulerSide, "observe_step", never_re_armed)
+    error = first_violation({ALARM})
+    assert "expected" in str(error) and "wedge alarm" in str(error)
+
+
+def test_ledger_not_told_of_a_lateral_preemption_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(BlockLedger, "on_lateral_preempt", lambda self, req_id: None)
+    error = broken(monkeypatch, LATERAL, SEED, "lateral")
+    assert "the ledger was not told of B's lateral preemption" in str(error)
+    error = first_violation({LATERAL}, **WEDGE_PRONE)
+    assert "the ledger was not told" in str(error)
+
+
+def test_every_load_routed_to_the_first_child_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(
+        ChildRouter, "owner_for", lambda self, params: 0 if params else None
+    )
+    error = first_violation({ROUTING})
+    assert "but child 0 was asked to load it" in str(error)
+
+
+def test_victim_keeping_its_computed_tokens_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    preempt = WedgeGuardMixin._preempt_laterally
+
+    def keeps_tokens(self: Any, victim: Any, target: Any) -> None:
+        request = self.requests[victim.req_id]
+        computed = request.num_computed_tokens
+        preempt(self, victim, target)
+        request.num_computed_tokens = computed
+
+    monkeypatch.setattr(WedgeGuardMixin, "_preempt_laterally", keeps_tokens)
+    error = broken(monkeypatch, LATERAL, SEED, "lateral")
+    assert "lateral victim B keeps 800 computed tokens" in str(error)
+    error = first_violation({LATERAL, PREFIX}, **WEDGE_PRONE)
+    assert "computed tokens" in str(error)
+
+
+@pytest.mark.parametrize("off_by", [-1, 1])
+def test_off_by_one_max_attempts_is_caught(
+    monkeypatch: pytest.MonkeyPatch, off_by: int
+) -> None:
+    """The per-call budget checked one too early or one too late."""
+    may_preempt = WedgeGuardMixin._may_preempt_for
+
+    def off_by_one(self: Any, request: Any) -> bool:
+        self._lateral_budget += off_by
+        try:
+            return bool(may_preempt(self, request))
+        finally:
+            self._lateral_budget -= off_by
+
+    monkeypatch.setattr(WedgeGuardMixin, "_may_preempt_for", off_by_one)
+    error = first_violation({LATERAL}, **WEDGE_PRONE)
+    assert "max_attempts=" in str(error)
+
+
+def test_a_re_admitted_victim_hits_what_it_had_cached() -> None:
+    """PREFIX on the real guard: the seed's victim B (its P->D receive done)
+    comes back with its 50 loaded blocks still cached and hits them."""
+    stats = checked_run(SEED, "lateral")
+    assert [r.victim for r in stats.laterals] == ["B"]
+
+
+def test_a_victim_whose_cache_is_ignored_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Re-admission skipping the prefix cache (as a victim left with
+    computed tokens makes vLLM do) is a PREFIX violation on its own."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    lookup = KVCacheManager.get_computed_blocks
+
+    def no_hit_for_victims(self: Any, request: Any) -> Any:
+        found = lookup(self, request)
+        if request.num_preemptions:  # (blocks, hit tokens, ...): no hit
+            return (self.empty_kv_cache_blocks, 0, *(0 for _ in found[2:]))
+        return found
+
+    monkeypatch.setattr(KVCacheManager, "get_computed_blocks", no_hit_for_victims)
+    error = broken(monkeypatch, PREFIX, SEED, "lateral")
+    assert "re-admitted lateral victim B hit 0 cached tokens" in str(error)

@@ -13,7 +13,16 @@ middle of a stall). After every step the checker of
 block under an in-flight receive is freed, the ledger against the scheduler
 and the worker, that nothing is sent to the worker as resumed unseen, and
 (lateral policies) stalls with a victim left; at the end, that every request
-ended with a reason it may have and nothing is left behind.
+ended with a reason it may have and nothing is left behind. The same
+checker holds the guard to its policy, not only to safety: a lateral
+preemption only after a failed admission, with the ledger's victim, within
+the per-call budget and (``only_when_idle``) with nothing running, never
+more than the head needed, leaving the victim as never admitted and the
+ledger told; every admission checked against a freshly computed
+reservation; a re-admitted victim hitting the KV it had cached; the wedge
+alarm once per stall, re-armed after it; every lookup sent to the child
+whose params the request carries (``tests/test_invariants_catch_broken_
+guards.py`` breaks the guard in each of these ways and sees a check fire).
 
 ``VLLM_MOONCAKE_PROPERTY_EXAMPLES`` sets the examples per property (default
 below: the whole file takes about 2 minutes on 2 cores); ``bench/

@@ -6,7 +6,8 @@ async scheduling), the guard (policy, ``max_attempts``, idle gate), the
 ``kv_load_failure_policy``, the requests (arrival step, prompt and output
 lengths, priority, a shared prompt prefix, and a scripted load through the
 store child or the P->D child: tokens, delay, ok / fail / partial, retries,
-deferred lookups, sync or async) and the faults (aborts at a step, aborts of
+deferred lookups, sync or async) and the wedge alarm's threshold, and
+the faults (aborts at a step, aborts of
 a lateral victim or admission target, aborts in the middle of a stall,
 duplicate / late / unknown receive notices).
 
@@ -145,6 +146,8 @@ class Case:
     max_num_seqs: int = 16
     max_attempts: int = 16
     only_when_idle: bool = True
+    # Low values make the wedge alarm fire (and re-arm) within a run.
+    stall_alarm_steps: int = 2000
 
     @property
     def lateral(self) -> bool:
@@ -167,6 +170,7 @@ class Case:
             kv_load_failure_policy=self.failure_policy,
             max_attempts=self.max_attempts,
             only_when_idle=self.only_when_idle,
+            stall_alarm_steps=self.stall_alarm_steps,
         )
 
     def step_bound(self) -> int:
@@ -397,6 +401,7 @@ def draw_case(
         max_num_seqs=d.choice((16, 4, 2), (100, 0, 0) if burst else (70, 20, 10)),
         max_attempts=d.choice((16, 1, 2), (60, 25, 15)),
         only_when_idle=not d.chance(15),
+        stall_alarm_steps=d.choice((2000, 1, 3), (40, 40, 20)),
     )
 
 

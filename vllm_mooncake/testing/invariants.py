@@ -44,6 +44,34 @@ The invariants:
                still offered a victim other than the request being admitted,
                longer than the configured bound (the valve may stop early
                only when ``max_attempts`` runs out: the next step goes on).
+
+What the valve does, and when (the policy, not only safety):
+
+``lateral``    a lateral preemption happens only when its policy says so:
+               under a lateral policy, for a request being admitted whose
+               allocation (vLLM's own ``allocate_slots``) just failed -- and
+               failed again after the previous preemption of the same call,
+               so one call never preempts more than the head needed to fit
+               -- with the ledger's rule offering this very victim, within
+               the per-call budget (``max_attempts``: never more, and
+               ``attempts_exhausted`` counted only once the budget is spent)
+               and, under ``only_when_idle``, with nothing running. After it
+               the victim is as if never admitted (no computed token, no
+               block, no reservation, WAITING / PREEMPTED), the ledger was
+               told (no receive, no block) and the counter moved.
+``reservation`` every allocation for a request being admitted is checked
+               against a fresh computation of the async-load reservation:
+               vLLM's in-flight-prefill blocks under ``reserve`` /
+               ``reserve+lateral``, none under ``lateral``; after a lateral
+               preemption too.
+``prefix``     a lateral victim, re-admitted, reuses the KV it had (its
+               blocks the preemption cached and nothing evicted since): its
+               local prefix-cache hit covers them.
+``alarm``      the wedge alarm fires once per stall of ``stall_alarm_steps``
+               zero-token steps with holders waiting and nothing running, and
+               re-arms when the stall ends.
+``routing``    a lookup goes to the child whose ``kv_transfer_params`` the
+               request carries, never to another.
 """
 
 from __future__ import annotations
@@ -71,7 +99,27 @@ RESUMED = "resumed"
 ENDS = "ends"
 STALL = "stall"
 NOTICES = "notices"
-INVARIANTS = (BLOCKS, IN_FLIGHT, VICTIM, LEDGER, RESUMED, NOTICES, ENDS, STALL)
+LATERAL = "lateral"
+RESERVATION = "reservation"
+PREFIX = "prefix"
+ALARM = "alarm"
+ROUTING = "routing"
+INVARIANTS = (
+    BLOCKS,
+    IN_FLIGHT,
+    VICTIM,
+    LEDGER,
+    RESUMED,
+    NOTICES,
+    ENDS,
+    STALL,
+    LATERAL,
+    RESERVATION,
+    PREFIX,
+    ALARM,
+    ROUTING,
+)
+ADMITTING = ("WAITING", "PREEMPTED")
 
 # Reasons a request may end with, by what happened to it.
 NORMAL_ENDS = frozenset({"length", "stop"})
@@ -353,6 +401,59 @@ def lateral_candidates(scheduler: Any) -> list[str]:
     ]
 
 
+def _blocks_of(scheduler: Any, req_id: str) -> list[Any]:
+    """The (non-null) blocks ``req_id`` holds in the first KV cache group."""
+    single = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    return [b for b in single.req_to_blocks.get(req_id, ()) if not b.is_null]
+
+
+def _cached_prefix(blocks: list[Any]) -> list[tuple[int, Any]]:
+    """The leading blocks that are prefix-cached, as (block id, hash)."""
+    out = []
+    for block in blocks:
+        if block.block_hash is None:
+            break
+        out.append((block.block_id, block.block_hash))
+    return out
+
+
+def _prefix_problems(
+    scheduler: Any, request: Any, cached: list[tuple[int, Any]], hit: int
+) -> list[str]:
+    """PREFIX: the re-admitted victim's local hit covers what is still cached."""
+    pool = scheduler.kv_cache_manager.block_pool
+    still = 0
+    for block_id, block_hash in cached:
+        if pool.blocks[block_id].block_hash != block_hash:
+            break  # evicted (or reused) since the preemption
+        still += 1
+    block_size = scheduler.block_size
+    # vLLM computes at least the last token: the hit stops a block short.
+    still = min(still, (request.num_tokens - 1) // block_size)
+    if hit >= still * block_size:
+        return []
+    return [
+        f"re-admitted lateral victim {request.request_id} hit {hit} cached "
+        f"tokens; {still} of its blocks ({still * block_size} tokens) were still "
+        "cached from before its preemption"
+    ]
+
+
+def _in_reservation(scheduler: Any, request: Any) -> bool:
+    """``request`` is in vLLM's async-load reservation set (0.23+)."""
+    access = scheduler._access
+    if hasattr(access, "in_reservation"):
+        return bool(access.in_reservation(request))
+    return request in getattr(scheduler, "_inflight_prefills", ())
+
+
+def _full_sequence_gate(scheduler: Any) -> bool:
+    """0.19-0.20: the valve acts on ``can_fit_full_sequence``, not on a failed
+    ``allocate_slots`` (see the guarded scheduler)."""
+    release = getattr(scheduler._access, "release", None)
+    return bool(getattr(release, "full_sequence_gate", False))
+
+
 # ---- the checker ------------------------------------------------------------------
 @dataclass(frozen=True)
 class LateralRecord:
@@ -405,6 +506,22 @@ class InvariantChecker:
         self._blocked_with_candidate = False  # in the step being run
         # Requests aborted while vLLM waited on their receive (NOTICES).
         self.aborted_mid_recv: set[str] = set()
+        side = self.scheduler.wedge_guard
+        # LATERAL: the last allocation of a request being admitted, as
+        # (request id, failed), since the last lateral preemption.
+        self._last_admission: tuple[str, bool] | None = None
+        self._exhausted_seen = side.stats.attempts_exhausted
+        self._laterals_at_start = side.stats.total_lateral_preemptions
+        # PREFIX: lateral victims not yet re-admitted -> their blocks the
+        # preemption cached, as (block id, block hash), in prompt order.
+        self._victim_cache: dict[str, list[tuple[int, Any]]] = {}
+        # ALARM: the alarm as the policy describes it.
+        self._alarm_streak = 0
+        self._alarm_armed = True
+        self._alarms_expected = 0
+        self._alarms_at_start = side.stats.wedges_detected
+        self._probe_allocations()
+        self._watch_routing()
         if watch_laterals:
             self._watch_lateral_preemptions()
         self._watch_admissions()
@@ -422,7 +539,12 @@ class InvariantChecker:
             )
             self._raise_if(IN_FLIGHT, in_flight)
             self._raise_if(VICTIM, bad)
+            self._raise_if(LATERAL, self._lateral_allowed(victim, target))
+            self._last_admission = None
+            blocks = _blocks_of(scheduler, victim.req_id)
             preempt(victim, target)
+            self._raise_if(LATERAL, self._lateral_undone(victim))
+            self._victim_cache[victim.req_id] = _cached_prefix(blocks)
             self.stats.laterals.append(
                 LateralRecord(
                     self.driver.num_steps,
@@ -433,6 +555,182 @@ class InvariantChecker:
             )
 
         scheduler._preempt_laterally = watched
+
+    def _laterals_this_call(self) -> int:
+        step = self.driver.num_steps
+        return sum(1 for r in reversed(self.stats.laterals) if r.step == step)
+
+    def _lateral_allowed(self, victim: Victim, target: Any) -> list[str]:
+        """LATERAL, before the preemption: may the valve act here at all?"""
+        scheduler = self.scheduler
+        config = scheduler.wedge_guard.config
+        problems: list[str] = []
+        who = f"lateral preemption of {victim.req_id} for {target.request_id}"
+        if not config.policy.lateral:
+            problems.append(f"{who} under policy {config.policy.value}")
+        if target.status.name not in ADMITTING:
+            problems.append(f"{who}: the target is {target.status.name}, not admitted")
+        if not _full_sequence_gate(scheduler) and self._last_admission != (
+            target.request_id,
+            True,
+        ):
+            problems.append(
+                f"{who} without a failed allocation for {target.request_id} since "
+                f"the last preemption (last admission: {self._last_admission}): "
+                "more victims than the head needed"
+            )
+        if config.only_when_idle and scheduler.running:
+            running = [r.request_id for r in scheduler.running]
+            problems.append(f"{who} with {running} running (only_when_idle)")
+        done = self._laterals_this_call()
+        if done >= config.max_attempts:
+            problems.append(
+                f"{who}: {done + 1} lateral preemptions in one schedule() call, "
+                f"max_attempts={config.max_attempts}"
+            )
+        picked = scheduler.wedge_guard.ledger.pick_victim(
+            scheduler._holder_views(), target.request_id
+        )
+        if picked is None or picked.req_id != victim.req_id:
+            problems.append(
+                f"{who}: the ledger's rule offers "
+                f"{picked.req_id if picked else 'no candidate'}"
+            )
+        return problems
+
+    def _lateral_undone(self, victim: Victim) -> list[str]:
+        """LATERAL, after the preemption: the victim as if never admitted."""
+        scheduler = self.scheduler
+        req_id = victim.req_id
+        problems: list[str] = []
+        request = scheduler.requests.get(req_id)
+        if request is None:
+            return [f"lateral victim {req_id} is gone after its preemption"]
+        if request.num_computed_tokens:
+            problems.append(
+                f"lateral victim {req_id} keeps {request.num_computed_tokens} "
+                "computed tokens"
+            )
+        if request.status.name not in ADMITTING:
+            problems.append(f"lateral victim {req_id} is {request.status.name}")
+        held = _blocks_of(scheduler, req_id)
+        if held:
+            problems.append(f"lateral victim {req_id} still holds {len(held)} blocks")
+        if _in_reservation(scheduler, request):
+            problems.append(f"lateral victim {req_id} still reserves blocks")
+        entry = scheduler.wedge_guard.ledger.get(req_id)
+        if entry is not None and (
+            entry.recv is not RecvState.NONE
+            or entry.num_blocks
+            or entry.computed_tokens
+        ):
+            problems.append(
+                f"the ledger was not told of {req_id}'s lateral preemption "
+                f"(recv={entry.recv.value}, blocks={entry.num_blocks}, "
+                f"computed={entry.computed_tokens})"
+            )
+        counted = scheduler.wedge_guard.stats.total_lateral_preemptions
+        expected = self._laterals_at_start + len(self.stats.laterals) + 1
+        if counted != expected:
+            problems.append(f"lateral preemptions counted {counted}, made {expected}")
+        return problems
+
+    # ---- vLLM's own allocations, under the valve ----------------------------------
+    def _probe_allocations(self) -> None:
+        """See every call of vLLM's own ``allocate_slots``, under the valve.
+
+        The manager's class is swapped for a subclass whose
+        ``allocate_slots`` reports to the checker before and after vLLM's,
+        and the guard's valve is installed again over it: the valve's
+        "stock" allocation is then the probed one.
+        """
+        scheduler = self.scheduler
+        manager = scheduler.kv_cache_manager
+        checker = self
+        base = type(manager)
+
+        class Probed(base):  # type: ignore[misc, valid-type]
+            def allocate_slots(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+                checker._before_allocation(request, args, kwargs)
+                blocks = super().allocate_slots(request, *args, **kwargs)
+                checker._after_allocation(request, blocks)
+                return blocks
+
+        Probed.__name__ = Probed.__qualname__ = base.__name__
+        manager.__class__ = Probed
+        manager.__dict__.pop("allocate_slots", None)
+        scheduler._install_admission_valve()
+
+    def _before_allocation(
+        self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        if request.status.name not in ADMITTING:
+            return
+        if "reserved_blocks" in kwargs:
+            expected = (
+                self._fresh_reservation() if kwargs.get("delay_cache_blocks") else 0
+            )
+            got = kwargs["reserved_blocks"]
+            if got != expected:
+                self._raise_if(
+                    RESERVATION,
+                    [
+                        f"{request.request_id} admitted against {got} reserved "
+                        f"blocks; a fresh computation gives {expected} (policy "
+                        f"{self.scheduler.wedge_guard.config.policy.value})"
+                    ],
+                )
+        cached = self._victim_cache.get(request.request_id)
+        if cached is not None:
+            hit = kwargs.get("num_new_computed_tokens", args[1] if len(args) > 1 else 0)
+            self._raise_if(
+                PREFIX, _prefix_problems(self.scheduler, request, cached, hit)
+            )
+
+    def _after_allocation(self, request: Any, blocks: Any) -> None:
+        if request.status.name not in ADMITTING:
+            return
+        self._last_admission = (request.request_id, blocks is None)
+        if blocks is not None:
+            self._victim_cache.pop(request.request_id, None)
+
+    def _fresh_reservation(self) -> int:
+        """The async-load reservation, computed now from vLLM's own method."""
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        scheduler = self.scheduler
+        base = 0
+        if scheduler.wedge_guard.config.policy.reserves:
+            base = int(Scheduler._inflight_prefill_reserved_blocks(scheduler))
+        return base + int(scheduler._access.reservation_extras())
+
+    def _watch_routing(self) -> None:
+        """ROUTING: each child is asked only for requests it may load."""
+        from vllm_mooncake.guard.routing import claim_keys_of
+
+        children = list(getattr(self.scheduler.connector, "_connectors", ()))
+        claims = [claim_keys_of(c) for c in children]
+        for i, child in enumerate(children):
+            lookup = child.get_num_new_matched_tokens
+
+            def asked(
+                request: Any, num_computed_tokens: int, *args: Any,
+                _i: int = i, _lookup: Any = lookup, **kwargs: Any,
+            ) -> Any:  # fmt: skip
+                params = request.kv_transfer_params or {}
+                present = {k for k, v in params.items() if v is not None}
+                owners = [j for j, keys in enumerate(claims) if keys & present]
+                if owners and _i not in owners:
+                    self._raise_if(
+                        ROUTING,
+                        [
+                            f"{request.request_id} carries the params of child "
+                            f"{owners[0]} but child {_i} was asked to load it"
+                        ],
+                    )
+                return _lookup(request, num_computed_tokens, *args, **kwargs)
+
+            child.get_num_new_matched_tokens = asked
 
     def _watch_admissions(self) -> None:
         """Note an admission that failed while the ledger offered a victim.
@@ -472,6 +770,8 @@ class InvariantChecker:
         previous = self.driver.on_scheduled
 
         def on_scheduled(so: SchedulerOutput) -> None:
+            self._check_budget()
+            self._check_alarm(so)
             for new in so.scheduled_new_reqs:
                 self.seen_as_new.add(new.req_id)
             self._raise_if(RESUMED, resumed_problems(so, self.seen_as_new))
@@ -519,6 +819,49 @@ class InvariantChecker:
         scheduler.finish_requests = finish_requests
         side.filter_recv_notices = filter_recv_notices
 
+    def _check_budget(self) -> None:
+        """LATERAL: ``attempts_exhausted`` moves only once the budget is spent."""
+        stats = self.scheduler.wedge_guard.stats
+        if stats.attempts_exhausted == self._exhausted_seen:
+            return
+        self._exhausted_seen = stats.attempts_exhausted
+        done = self._laterals_this_call()
+        budget = self.scheduler.wedge_guard.config.max_attempts
+        if done != budget:
+            self._raise_if(
+                LATERAL,
+                [
+                    f"attempts exhausted after {done} lateral preemption(s) in "
+                    f"this schedule() call, max_attempts={budget}"
+                ],
+            )
+
+    def _check_alarm(self, so: SchedulerOutput) -> None:
+        """ALARM: once per stall of ``stall_alarm_steps`` steps, re-armed after."""
+        scheduler = self.scheduler
+        side = scheduler.wedge_guard
+        stalled = (
+            so.total_num_scheduled_tokens == 0
+            and not scheduler.running
+            and bool(scheduler._holder_views())
+        )
+        self._alarm_streak = self._alarm_streak + 1 if stalled else 0
+        if self._alarm_streak >= side.config.stall_alarm_steps and self._alarm_armed:
+            self._alarms_expected += 1
+            self._alarm_armed = False
+        elif not stalled:
+            self._alarm_armed = True
+        raised = side.stats.wedges_detected - self._alarms_at_start
+        if raised != self._alarms_expected:
+            self._raise_if(
+                ALARM,
+                [
+                    f"{raised} wedge alarm(s) raised, {self._alarms_expected} "
+                    f"expected (stall of {self._alarm_streak} step(s) now, "
+                    f"stall_alarm_steps={side.config.stall_alarm_steps})"
+                ],
+            )
+
     # ---- per step ------------------------------------------------------------------
     def after_step(self, result: StepResult) -> None:
         self.stats.steps += 1
@@ -527,6 +870,11 @@ class InvariantChecker:
         self._raise_if(IN_FLIGHT, in_flight_problems(scheduler, worker))
         self._raise_if(LEDGER, ledger_problems(scheduler, worker, self.seen_as_new))
         self._track_stall(result)
+        if self._victim_cache:
+            for req_id in list(self._victim_cache):
+                request = scheduler.requests.get(req_id)
+                if request is None or request.is_finished():
+                    del self._victim_cache[req_id]
 
     def _track_stall(self, result: StepResult) -> None:
         idle = result.num_scheduled_tokens == 0 and not self.scheduler.running
