@@ -37,6 +37,8 @@ class Recorder:
     _free: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
     _min_free: dict[str, int] = field(default_factory=dict)
     preemptions: int = 0
+    # Requests with a completion time (the cluster asks after every step).
+    _num_completed: int = 0
 
     # ---- requests ---------------------------------------------------------------
     def arrived(self, req_id: str, at: float) -> None:
@@ -49,12 +51,14 @@ class Recorder:
 
     def completed(self, req_id: str, reason: str, at: float) -> None:
         times = self.requests[req_id]
+        if times.done_s is None:
+            self._num_completed += 1
         times.done_s = at
         times.reason = reason
 
     @property
     def num_completed(self) -> int:
-        return sum(1 for t in self.requests.values() if t.done_s is not None)
+        return self._num_completed
 
     # ---- steps --------------------------------------------------------------------
     def step(self, rank: Rank, step: RankStep, serves_client: bool) -> None:
