@@ -381,3 +381,20 @@ def test_load_retry_cutoff_and_ledger_disagreement_reach_prometheus() -> None:
         total.aggregate(rebuilt.data[GUARD_STATS_KEY])
     assert total.reduce()["Load retry cutoffs"] == 1
     assert total.reduce()["Ledger disagreements"] == 1
+
+
+def test_every_counter_and_gauge_moves_the_stats_fingerprint() -> None:
+    """The connector skips a report when the fingerprint did not move: every
+    counter, label and gauge must move it (a new field included)."""
+    stats = GuardStats()
+    seen = {stats.fingerprint()}
+    for name in GuardStats.COUNTERS + GuardStats.GAUGES:
+        setattr(stats, name, getattr(stats, name) + 1)
+        seen.add(stats.fingerprint())
+    stats.lateral_preemptions[("recv_done", "nixl")] += 1
+    seen.add(stats.fingerprint())
+    for name in GuardStats.LABELED:
+        getattr(stats, name)["x"] += 1
+        seen.add(stats.fingerprint())
+    moves = len(GuardStats.COUNTERS + GuardStats.GAUGES + GuardStats.LABELED) + 1
+    assert len(seen) == 1 + moves

@@ -101,20 +101,20 @@ def test_alarm_fires_once_per_stall_and_rearms(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     side, _ = _side(stall_alarm_steps=3)
-    idle = StepObservation(scheduled_tokens=0, num_running=0, lateral=())
-    busy = StepObservation(scheduled_tokens=8, num_running=1, lateral=())
     holders = [_recv_done("B", 50)]
+    idle = StepObservation.of(0, 0, (), holders)
+    busy = StepObservation.of(8, 1, (), [])
     caplog.set_level(logging.ERROR, logger="vllm_mooncake.guard.scheduler_side")
     for _ in range(5):
-        side.observe_step(idle, holders)
+        side.observe_step(idle, lambda: holders)
     assert side.stats.wedges_detected == 1
     assert side.stats.stalled_steps == 5
     assert side.stats.recv_done_holders_waiting == 1
     assert side.stats.blocks_held_by_non_running == 50
-    side.observe_step(busy, [])
+    side.observe_step(busy, list)
     assert side.stats.stalled_steps == 0
     for _ in range(3):
-        side.observe_step(idle, holders)
+        side.observe_step(idle, lambda: holders)
     assert side.stats.wedges_detected == 2
     alarms = [r for r in caplog.records if "wedge alarm" in r.getMessage()]
     assert len(alarms) == 2
@@ -122,5 +122,5 @@ def test_alarm_fires_once_per_stall_and_rearms(
 
 def test_no_stall_is_counted_without_waiting_holders() -> None:
     side, _ = _side(stall_alarm_steps=1)
-    side.observe_step(StepObservation(0, 0, ()), [])
+    side.observe_step(StepObservation(0, 0, ()), list)
     assert side.stats.stalled_steps == 0 and side.stats.wedges_detected == 0

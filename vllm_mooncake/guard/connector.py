@@ -99,14 +99,16 @@ class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
         return self._side
 
     # ---- scheduler side: route, delegate, report ----------------------------
+    # The hooks below run in the scheduler process only, where ``_side`` is
+    # set; they read it directly (per-request paths: no property call).
     def on_new_request(self, request: Request) -> None:
         super().on_new_request(request)
-        self.scheduler_side.on_arrival(request.request_id)
+        self._side.on_arrival(request.request_id)  # type: ignore[union-attr]
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        side = self.scheduler_side
+        side: GuardSchedulerSide = self._side  # type: ignore[assignment]
         owner = side.route(request, num_computed_tokens)
         if owner == UNROUTABLE:
             return 0, False
@@ -137,7 +139,7 @@ class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
         to False on a request it does not load), and the owner then never
         asks its worker to fetch -- the request would wait forever.
         """
-        side = self.scheduler_side
+        side: GuardSchedulerSide = self._side  # type: ignore[assignment]
         owner = side.owner_of(request.request_id)
         for i in side.owner_first(request.request_id, len(self._connectors)):
             tokens = num_external_tokens if i == owner else 0
@@ -164,14 +166,14 @@ class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         result = super().request_finished(request, block_ids)
-        self.scheduler_side.record_finished(request.request_id)
+        self._side.record_finished(request.request_id)  # type: ignore[union-attr]
         return result  # type: ignore[no-any-return]
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         result = super().request_finished_all_groups(request, block_ids)
-        self.scheduler_side.record_finished(request.request_id)
+        self._side.record_finished(request.request_id)  # type: ignore[union-attr]
         return result  # type: ignore[no-any-return]
 
     # ---- stats export: vLLM's KV-connector stats and Prometheus path --------------
@@ -198,7 +200,7 @@ class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
             return stats
         last = self._guard_stats_reported or GuardStats()
         report: GuardKVConnectorStats | None
-        if fingerprint[0] == self._guard_fingerprint[0]:
+        if fingerprint[0] == self._guard_fingerprint[0]:  # only gauges moved
             report = GuardKVConnectorStats.of_gauges(current)
             for name in GuardStats.GAUGES:
                 setattr(last, name, getattr(current, name))

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 ReqId = str
 
@@ -87,10 +87,11 @@ class LedgerEntry:
     executed: bool = False  # ever sent to the worker as a new request
     finished: bool = False  # finished while a receive was in flight
     pending_async: bool = False  # the last lookup offered an async load
-    # child -> loads of this request from that child that failed
-    failed_loads: dict[str, int] = field(default_factory=dict)
+    # child -> loads of this request from that child that failed (made on
+    # the first failure: most requests never have one)
+    failed_loads: dict[str, int] | None = None
     # children whose hits this request no longer takes (retry budget spent)
-    cut_off: set[str] = field(default_factory=set)
+    cut_off: set[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -308,19 +309,25 @@ class BlockLedger:
         entry = self._entries.get(req_id)
         if entry is None or entry.owner is None:
             return None
+        if entry.failed_loads is None:
+            entry.failed_loads = {}
         n = entry.failed_loads.get(entry.owner, 0) + 1
         entry.failed_loads[entry.owner] = n
         return entry.owner, n
 
     def failed_loads(self, req_id: ReqId, owner: str) -> int:
         entry = self._entries.get(req_id)
-        return 0 if entry is None else entry.failed_loads.get(owner, 0)
+        if entry is None or entry.failed_loads is None:
+            return 0
+        return entry.failed_loads.get(owner, 0)
 
     def cut_off(self, req_id: ReqId, owner: str) -> bool:
         """Stop taking ``owner``'s hits for ``req_id``; True the first time."""
         entry = self._entries.get(req_id)
-        if entry is None or owner in entry.cut_off:
+        if entry is None or (entry.cut_off is not None and owner in entry.cut_off):
             return False
+        if entry.cut_off is None:
+            entry.cut_off = set()
         entry.cut_off.add(owner)
         return True
 

@@ -378,12 +378,31 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
 
     # ---- observation: gauges, the WARNING line, the wedge alarm -----------------
     def _after_schedule(self, output: SchedulerOutput) -> None:
+        num_holders = recv_done = blocks_held = 0
+        get_blocks = self.kv_cache_manager.get_blocks
+        recv_done_ids = self.finished_recving_kv_req_ids
+        waiting_for_kvs = RequestStatus.WAITING_FOR_REMOTE_KVS
+        for queue in self._access.holder_queues():
+            for request in queue:
+                if not self._access.holds_blocks(request):
+                    continue
+                num_holders += 1
+                blocks = get_blocks(request.request_id).blocks
+                blocks_held += len(blocks[0]) if blocks else 0
+                if (
+                    request.status == waiting_for_kvs
+                    and request.request_id in recv_done_ids
+                ):
+                    recv_done += 1
         step = StepObservation(
-            scheduled_tokens=output.total_num_scheduled_tokens,
-            num_running=len(self.running),
-            lateral=self._lateral_this_call,
+            output.total_num_scheduled_tokens,
+            len(self.running),
+            self._lateral_this_call,
+            num_holders,
+            recv_done,
+            blocks_held,
         )
-        self.wedge_guard.observe_step(step, self._holder_views())
+        self.wedge_guard.observe_step(step, self._holder_views)
 
 
 class WedgeGuardScheduler(WedgeGuardMixin, Scheduler):  # type: ignore[misc]

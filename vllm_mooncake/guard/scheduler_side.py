@@ -71,11 +71,37 @@ _LOGGED_ONCE_MAX = 65536
 
 @dataclass(frozen=True)
 class StepObservation:
-    """What one ``schedule()`` call did, as the guard's gauges need it."""
+    """What one ``schedule()`` call did, as the guard's gauges need it.
+
+    The holder counts come from the scheduler's queues after the call; the
+    views themselves are built only when a log line names them.
+    """
 
     scheduled_tokens: int
     num_running: int
     lateral: Sequence[tuple[Victim, str]]  # (victim, admission target)
+    num_holders: int = 0  # waiting requests that hold KV blocks
+    recv_done_holders: int = 0  # of them, WAITING_FOR_REMOTE_KVS, recv done
+    blocks_held: int = 0  # the blocks they hold
+
+    @classmethod
+    def of(
+        cls,
+        scheduled_tokens: int,
+        num_running: int,
+        lateral: Sequence[tuple[Victim, str]],
+        views: Sequence[HolderView],
+    ) -> StepObservation:
+        """The observation whose holders are ``views``."""
+        recv_done = sum(
+            1
+            for v in views
+            if v.status is WaitStatus.WAITING_FOR_REMOTE_KVS and v.recv_finished
+        )
+        blocks = sum(v.num_blocks for v in views)
+        return cls(
+            scheduled_tokens, num_running, lateral, len(views), recv_done, blocks
+        )
 
 
 class GuardSchedulerSide:
@@ -159,10 +185,14 @@ class GuardSchedulerSide:
         self._ledger(self.ledger.on_lookup, req_id, owner_name, num_tokens, is_async)
 
     def owner_first(self, req_id: str, num_children: int) -> list[int]:
-        """Children in the order ``update_state_after_alloc`` must tell them."""
+        """Children in the order ``update_state_after_alloc`` must tell them:
+        the owner of the load first, the others in config order."""
         owner = self._requests_to_connector.get(req_id, -1)
         self._alloc_fault = None
-        return sorted(range(num_children), key=lambda i: i != owner)
+        order = list(range(num_children))
+        if owner > 0:
+            order.insert(0, order.pop(owner))
+        return order
 
     def owner_of(self, req_id: str) -> int | None:
         """The child loading ``req_id`` (MultiConnector's choice or ours)."""
@@ -389,18 +419,21 @@ class GuardSchedulerSide:
     def note_attempts_exhausted(self) -> None:
         self.stats.attempts_exhausted += 1
 
-    def observe_step(self, step: StepObservation, views: list[HolderView]) -> None:
-        """Gauges, the resolution WARNING and the wedge alarm, once per step."""
+    def observe_step(
+        self, step: StepObservation, views: Callable[[], Sequence[HolderView]]
+    ) -> None:
+        """Gauges, the resolution WARNING and the wedge alarm, once per step.
+
+        ``views`` builds the holders' views; called only for a log line.
+        """
         stats = self.stats
-        stats.recv_done_holders_waiting = sum(
-            1
-            for v in views
-            if v.status is WaitStatus.WAITING_FOR_REMOTE_KVS and v.recv_finished
-        )
-        stats.blocks_held_by_non_running = sum(v.num_blocks for v in views)
+        stats.recv_done_holders_waiting = step.recv_done_holders
+        stats.blocks_held_by_non_running = step.blocks_held
         if step.lateral:
-            self._report_resolution(step.lateral, views)
-        stalled = step.scheduled_tokens == 0 and not step.num_running and bool(views)
+            self._report_resolution(step.lateral, views())
+        stalled = (
+            step.scheduled_tokens == 0 and not step.num_running and step.num_holders > 0
+        )
         self._stall_steps = self._stall_steps + 1 if stalled else 0
         stats.stalled_steps = self._stall_steps
         if (
@@ -413,16 +446,16 @@ class GuardSchedulerSide:
                 "wedge alarm: no token scheduled for %d steps while %d waiting "
                 "request(s) hold %d KV blocks and none runs; policy=%s; holders: %s",
                 self._stall_steps,
-                len(views),
+                step.num_holders,
                 stats.blocks_held_by_non_running,
                 self.config.policy.value,
-                self.ledger.snapshot(views),
+                self.ledger.snapshot(views()),
             )
         elif not stalled:
             self._alarm_raised = False
 
     def _report_resolution(
-        self, lateral: Sequence[tuple[Victim, str]], views: list[HolderView]
+        self, lateral: Sequence[tuple[Victim, str]], views: Sequence[HolderView]
     ) -> None:
         self.stats.wedges_resolved += 1
         moves = ", ".join(

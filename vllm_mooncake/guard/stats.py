@@ -3,6 +3,7 @@ the Prometheus adapter all read (no vLLM import)."""
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,16 +60,15 @@ class GuardStats:
         "load_retry_cutoffs",
     )
 
-    def fingerprint(self) -> tuple[tuple[Any, ...], tuple[int, ...]]:
-        """(counters, gauges): equal for two moments of one stats object with
-        nothing changed in between (counters only grow, labels are only
-        added) -- a cheap check before building a report."""
-        counters = (
-            tuple(getattr(self, name) for name in self.COUNTERS),
-            tuple(self.lateral_preemptions.items()),
-            tuple(tuple(getattr(self, name).items()) for name in self.LABELED),
-        )
-        return counters, tuple(getattr(self, name) for name in self.GAUGES)
+    def fingerprint(self) -> tuple[int, tuple[int, ...]]:
+        """(counters' total, gauges): equal for two moments of one stats
+        object with nothing changed in between -- a cheap check before
+        building a report. Every counter only grows, so any increment raises
+        the total."""
+        total = sum(_COUNTER_VALUES(self)) + sum(self.lateral_preemptions.values())
+        for name in self.LABELED:
+            total += sum(getattr(self, name).values())
+        return total, _GAUGE_VALUES(self)
 
     @classmethod
     def gauges_dict(cls, stats: GuardStats) -> dict[str, Any]:
@@ -131,3 +131,7 @@ class GuardStats:
         return not any(getattr(self, n) for n in self.COUNTERS) and not (
             self.lateral_preemptions or any(getattr(self, n) for n in self.LABELED)
         )
+
+
+_COUNTER_VALUES = operator.attrgetter(*GuardStats.COUNTERS)
+_GAUGE_VALUES = operator.attrgetter(*GuardStats.GAUGES)
