@@ -25,8 +25,9 @@ The invariants:
 ``ledger``     the ledger agrees with the scheduler: every live request is
                known, no entry outlives its request (an entry may drain a
                receive still in flight), the ledger's in-flight set is the
-               worker's, and a request the ledger calls executed was sent to
-               the worker as new.
+               worker's, a request the ledger calls executed was sent to
+               the worker as new, and a request vLLM preempted (PREEMPTED,
+               holding no block) holds no block or token in the ledger.
 ``resumed``    a request is never sent to the worker as cached/resumed
                unless the worker saw it as new (vLLM's model runner raises
                KeyError otherwise).
@@ -291,6 +292,16 @@ def ledger_problems(
             request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             and req_id not in scheduler.finished_recving_kv_req_ids
         )
+        if (
+            request.status == RequestStatus.PREEMPTED
+            and entry.recv is RecvState.NONE
+            and (entry.num_blocks or entry.computed_tokens)
+            and not _blocks_of(scheduler, req_id)
+        ):
+            problems.append(
+                f"{req_id} was preempted (it holds no block) but the ledger has "
+                f"blocks={entry.num_blocks} computed={entry.computed_tokens}"
+            )
         if waiting_recv and entry.recv is not RecvState.IN_FLIGHT:
             problems.append(
                 f"{req_id} waits for its receive but the ledger has recv="

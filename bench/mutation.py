@@ -1,0 +1,135 @@
+"""Mutation testing of the guard (``vllm_mooncake/guard/``) with mutmut.
+
+A benchmark, not a CI step: it takes tens of minutes on 2 cores. mutmut
+(``pip install mutmut``; 3.x) changes the guard one small edit at a time
+(an operator, a constant, a condition, a dropped call) and runs the tests
+that cover the changed function; a mutant no test fails *survives*.
+``bench/RESULTS.md`` (section "Mutation testing") lists every survivor,
+each killed by a test added since or explained as equivalent.
+
+The run happens in a scratch copy (``.cache/mutation/``): mutmut writes its
+``mutants/`` tree next to the sources and reads its settings from
+``setup.cfg``, and the working tree stays untouched. The tests it runs are
+the fast unit and property tests of the guard (``TESTS`` below; property
+tests at ``VLLM_MOONCAKE_PROPERTY_EXAMPLES=25``). ::
+
+    python bench/mutation.py                      # every file of guard/
+    python bench/mutation.py --only ledger.py scheduler.py
+    python bench/mutation.py --report             # survivors of the last run
+
+Exit code 0 when the run completed (survivors are reported, not failed on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORK = ROOT / ".cache" / "mutation"
+MUTMUT = Path(sys.executable).parent / "mutmut"
+# Fast tests that exercise the guard on vLLM's real scheduler.
+TESTS = (
+    "tests/test_ledger.py",
+    "tests/test_scheduler_side.py",
+    "tests/test_guard_scheduler_rules.py",
+    "tests/test_guard_wedges.py",
+    "tests/test_invariants_catch_broken_guards.py",
+    "tests/test_properties.py",
+    "tests/test_child_faults.py",
+    "tests/test_load_retry_budget.py",
+    "tests/test_vllm_state_wins.py",
+    "tests/test_routing_real_children.py",
+    "tests/test_hma_finish_real_children.py",
+    "tests/test_guard_mutants.py",
+    "tests/test_metrics.py",
+)
+SUPPORT = ("tests/conftest.py",)
+
+
+def prepare(only: Sequence[str]) -> None:
+    """A scratch copy of the package and the tests, with mutmut's settings."""
+    if WORK.exists():
+        shutil.rmtree(WORK)
+    WORK.mkdir(parents=True)
+    shutil.copytree(
+        ROOT / "vllm_mooncake",
+        WORK / "vllm_mooncake",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    (WORK / "tests").mkdir()
+    for name in TESTS + SUPPORT:
+        shutil.copy2(ROOT / name, WORK / name)
+    # The whole package goes to mutmut's tree (the tests import all of it);
+    # only guard/ is mutated.
+    only_mutate = "".join(f"\n    vllm_mooncake/guard/{f}" for f in only or ["*"])
+    (WORK / "setup.cfg").write_text(
+        "[mutmut]\n"
+        "source_paths = vllm_mooncake/\n"
+        f"only_mutate ={only_mutate}\n"
+        + "pytest_add_cli_args_test_selection =\n"
+        + "".join(f"    {t}\n" for t in TESTS)
+        + "pytest_add_cli_args =\n    -p\n    no:cacheprovider\n    -q\n"
+        "\n[tool:pytest]\n"
+        "filterwarnings =\n    ignore::DeprecationWarning\n    ignore::FutureWarning\n"
+    )
+
+
+def run(max_children: int) -> int:
+    env = {**os.environ, "VLLM_MOONCAKE_PROPERTY_EXAMPLES": "25"}
+    cmd = [str(MUTMUT), "run", "--max-children", str(max_children)]
+    return subprocess.call(cmd, cwd=WORK, env=env)
+
+
+def report() -> str:
+    """mutmut's list of surviving mutants (and each one's diff)."""
+    out = subprocess.run(
+        [str(MUTMUT), "results"], cwd=WORK, capture_output=True, text=True
+    ).stdout
+    lines = [line.strip() for line in out.splitlines() if line.strip()]
+    text = [out]
+    for line in lines:
+        name = line.split(":")[0]
+        if "survived" in line:
+            diff = subprocess.run(
+                [str(MUTMUT), "show", name], cwd=WORK, capture_output=True, text=True
+            ).stdout
+            text.append(diff)
+    return "\n".join(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", nargs="*", default=[], help="files of guard/ to mutate")
+    p.add_argument("--max-children", type=int, default=2)
+    p.add_argument("--report", action="store_true", help="only print the survivors")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not MUTMUT.exists():
+        print(
+            f"mutmut is not installed ({MUTMUT}): pip install mutmut", file=sys.stderr
+        )
+        return 2
+    if not args.report:
+        prepare(args.only)
+        start = time.monotonic()
+        code = run(args.max_children)
+        print(f"mutmut run: exit {code}, {time.monotonic() - start:.0f} s")
+    survivors = report()
+    (WORK / "survivors.txt").write_text(survivors)
+    print(survivors)
+    print(f"survivors and their diffs: {WORK / 'survivors.txt'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
