@@ -24,7 +24,7 @@ def pytest_report_header() -> str:
     return f"vLLM {installed_vllm_version()}"
 
 
-GUARD_LOGGER = "vllm_mooncake.guard.scheduler_side"
+GUARD_LOGGER = "vllm.vllm_mooncake.guard.scheduler_side"
 
 
 @pytest.fixture

@@ -47,7 +47,7 @@ from vllm_mooncake.testing.wedges import W1, play
 
 LABELNAMES = ["model_name", "engine"]
 ENGINE_LABELS: dict[int, list[object]] = {0: ["tiny", "0"]}
-GUARD_LOGGER = "vllm_mooncake.guard.scheduler_side"
+GUARD_LOGGER = "vllm.vllm_mooncake.guard.scheduler_side"
 
 
 # ---- helpers --------------------------------------------------------------------

@@ -14,7 +14,9 @@ PUBLIC = {
     "vllm_mooncake": {
         "CONNECTOR_MODULE",
         "CONNECTOR_NAME",
+        "LOGGER_ROOT",
         "__version__",
+        "logger_for",
         "names_guard_connector",
     },
     "vllm_mooncake.plugin": {

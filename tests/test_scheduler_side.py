@@ -98,13 +98,12 @@ def test_victim_is_the_recv_done_holder_and_the_preemption_is_counted() -> None:
 
 
 def test_alarm_fires_once_per_stall_and_rearms(
-    caplog: pytest.LogCaptureFixture,
+    guard_log: pytest.LogCaptureFixture,
 ) -> None:
     side, _ = _side(stall_alarm_steps=3)
     holders = [_recv_done("B", 50)]
     idle = StepObservation.of(0, 0, (), holders)
     busy = StepObservation.of(8, 1, (), [])
-    caplog.set_level(logging.ERROR, logger="vllm_mooncake.guard.scheduler_side")
     for _ in range(5):
         side.observe_step(idle, lambda: holders)
     assert side.stats.wedges_detected == 1
@@ -116,7 +115,8 @@ def test_alarm_fires_once_per_stall_and_rearms(
     for _ in range(3):
         side.observe_step(idle, lambda: holders)
     assert side.stats.wedges_detected == 2
-    alarms = [r for r in caplog.records if "wedge alarm" in r.getMessage()]
+    alarms = [r for r in guard_log.records if "wedge alarm" in r.getMessage()]
+    assert all(r.levelno == logging.ERROR for r in alarms)
     assert len(alarms) == 2
 
 

@@ -27,7 +27,7 @@ from vllm_mooncake.testing.invariants import (
 )
 from vllm_mooncake.testing.leaks import assert_scheduler_empty, scheduler_leaks
 
-SIDE_LOGGER = "vllm_mooncake.guard.scheduler_side"
+SIDE_LOGGER = "vllm.vllm_mooncake.guard.scheduler_side"
 KINDS = ("stock", "guard")
 
 

@@ -27,6 +27,7 @@ holder, no ledger error, no stall, no alarm).
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -144,6 +145,24 @@ def test_every_engine_runs_the_guard_connector_and_scheduler(cluster: Cluster) -
         # vLLM names the scheduler class the engine core built.
         assert GUARD_SCHEDULER_LOG in log, rank.name
         assert "Traceback" not in log, rank.name
+
+
+# vLLM's log format: "(EngineCore pid=..) INFO 12-03 13:20:21 [file.py:123] ...".
+GUARD_START_LINE = re.compile(
+    r"\bINFO \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]+:\d+\] wedge guard active: "
+    r"WedgeGuard(Async)?Scheduler over \[[^\]]+\]; policy=reserve\+lateral "
+)
+
+
+def test_guard_log_lines_come_out_in_vllms_format(cluster: Cluster) -> None:
+    """The guard's loggers sit under vLLM's ``vllm`` logger, so its lines carry
+    vLLM's prefix and level, INFO included (a logger outside ``vllm`` would
+    print WARNING lines bare and INFO lines not at all)."""
+    for rank in cluster.ranks:
+        log = Path(cluster.log(rank.name)).read_text(errors="replace")
+        assert GUARD_START_LINE.search(log), rank.name
+        bare = [ln for ln in log.splitlines() if ln.startswith(("wedge ", "KV conn"))]
+        assert not bare, f"{rank.name}: unformatted guard lines {bare[:3]}"
 
 
 # ---- (c) a burst against the small decode pool -------------------------------------

@@ -34,13 +34,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm.logger import init_logger
+from vllm_mooncake import logger_for
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+logger = logger_for(__name__)
 
 LOOKUP = "get_num_new_matched_tokens"
 ALLOC = "update_state_after_alloc"

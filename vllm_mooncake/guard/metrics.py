@@ -31,14 +31,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiKVConnectorStats,
 )
-from vllm.logger import init_logger
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from vllm_mooncake import CONNECTOR_NAME
+from vllm_mooncake import CONNECTOR_NAME, logger_for
 from vllm_mooncake.guard.ledger import DroppedNotices
 from vllm_mooncake.guard.stats import GuardStats
 
-logger = init_logger(__name__)
+logger = logger_for(__name__)
 
 GUARD_STATS_KEY = CONNECTOR_NAME
 """The guard's entry in the connector stats dict (MultiConnector keys its

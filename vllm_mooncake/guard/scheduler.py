@@ -40,13 +40,13 @@ from collections.abc import Callable
 from copy import copy
 from typing import TYPE_CHECKING, Any
 
-from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreEventType
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
+from vllm_mooncake import logger_for
 from vllm_mooncake.compat.releases import SchedulerAccess, installed_layout
 from vllm_mooncake.guard.config import GuardConfigError
 from vllm_mooncake.guard.connector import WedgeGuardConnector
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
 
-logger = init_logger(__name__)
+logger = logger_for(__name__)
 
 _STATUS = {
     RequestStatus.WAITING_FOR_REMOTE_KVS: WaitStatus.WAITING_FOR_REMOTE_KVS,
@@ -112,6 +112,21 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         # vLLM keeps them, blocks and all, until the receive notice lands.
         self._finished_mid_recv: set[str] = set()
         self._install_admission_valve()
+        self._log_start()
+
+    def _log_start(self) -> None:
+        """One INFO line per engine: the guard is on, and how."""
+        config = self.wedge_guard.config
+        logger.info(
+            "wedge guard active: %s over [%s]; policy=%s max_attempts=%d "
+            "only_when_idle=%s max_failed_loads=%d",
+            type(self).__name__,
+            ", ".join(self.wedge_guard.child_names),
+            config.policy.value,
+            config.max_attempts,
+            config.only_when_idle,
+            config.max_failed_loads,
+        )
 
     # ---- the valve -------------------------------------------------------------
     def _install_admission_valve(self) -> None:

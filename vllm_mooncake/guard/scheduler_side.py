@@ -35,8 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from vllm.logger import init_logger
-
+from vllm_mooncake import logger_for
 from vllm_mooncake.guard.config import GuardConfig
 from vllm_mooncake.guard.containment import ALLOC, ChildFault
 from vllm_mooncake.guard.ledger import (
@@ -57,7 +56,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+logger = logger_for(__name__)
 T = TypeVar("T")
 
 UNROUTABLE = -1
