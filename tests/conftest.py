@@ -18,7 +18,7 @@ register()
 
 
 def pytest_report_header() -> str:
-    """Name the vLLM under test (tests/test_older_vllm.py reads it)."""
+    """Name the vLLM under test (tests/test_vllm_releases.py reads it)."""
     from vllm_mooncake.compat.versions import installed_vllm_version
 
     return f"vLLM {installed_vllm_version()}"

@@ -153,9 +153,9 @@ def test_unsupported_vllm_fails_at_start_up(monkeypatch: pytest.MonkeyPatch) -> 
     """A config naming the guard on an unproven vLLM fails before any request."""
     import vllm_mooncake.compat.versions as versions
 
-    monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.33.0")
+    monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.35.0")
     with pytest.raises(
-        versions.UnsupportedVllmVersion, match=r"0.32.x but vLLM 0.33.0"
+        versions.UnsupportedVllmVersion, match=r"0.34.x but vLLM 0.35.0"
     ):
         make_vllm_config(EngineShape(), guarded())
     # Without the guard connector, nothing of ours runs.

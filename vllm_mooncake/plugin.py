@@ -102,8 +102,17 @@ def _disable_hma_unless_children_support_it(vllm_config: Any) -> None:
         MultiConnector,
     )
 
+    from vllm_mooncake.compat.releases import installed_layout
+
     sc = vllm_config.scheduler_config
     if sc.disable_hybrid_kv_cache_manager:
+        return
+    if not installed_layout().hma_children_check:
+        # Before 0.23 vLLM has no rule to ask (all_children_support_hma), and
+        # 0.22's MultiConnector asserts at construction that HMA is off unless
+        # every child supports it: the guard turns it off (it only matters
+        # for sliding-window and Mamba models).
+        sc.disable_hybrid_kv_cache_manager = True
         return
     if not MultiConnector.all_children_support_hma(vllm_config.kv_transfer_config):
         sc.disable_hybrid_kv_cache_manager = True

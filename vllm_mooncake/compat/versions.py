@@ -5,8 +5,9 @@ from __future__ import annotations
 import re
 from importlib import metadata
 
-SUPPORTED_VLLM = ("0.30", "0.31", "0.32")
-"""Release series (major.minor) whose scheduler the guard was tested against."""
+SUPPORTED_VLLM = tuple(f"0.{minor}" for minor in range(19, 35))
+"""Release series (major.minor) whose scheduler the guard was tested against:
+0.19 to 0.34, each run on its own scheduler code (tests/test_vllm_releases.py)."""
 
 
 class UnsupportedVllmVersion(RuntimeError):
@@ -37,7 +38,7 @@ def check_vllm_version(version: str | None = None) -> str:
     """Return the series of ``version`` (default: installed) or raise."""
     version = version or installed_vllm_version()
     if series(version) not in SUPPORTED_VLLM:
-        supported = ", ".join(f"{s}.x" for s in SUPPORTED_VLLM)
+        supported = f"{SUPPORTED_VLLM[0]}.x to {SUPPORTED_VLLM[-1]}.x"
         raise UnsupportedVllmVersion(
             f"vllm_mooncake's wedge guard supports vLLM {supported} "
             f"but vLLM {version} is installed. Install a supported release "

@@ -18,7 +18,8 @@ Life cycle of a wedge and its resolution (vLLM 0.32):
    ``schedule()`` call.
 4. Undoing an admission leaves vLLM's state as if the victim had never been
    admitted, less what it cached: out of the holder queue, loaded blocks
-   cached, out of the receive sets, blocks freed, out of the reservation set,
+   cached, out of the receive sets, blocks freed, out of the reservation set
+   (and, on 0.34, its parked reservation and load-cap slot given back),
    ``num_preemptions`` counted, and back at the front of ``waiting`` as
    WAITING (the worker never saw it: it must arrive as new) or PREEMPTED (it
    ran before: it resumes).
@@ -112,6 +113,8 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         # vLLM keeps them, blocks and all, until the receive notice lands.
         self._finished_mid_recv: set[str] = set()
         self._install_admission_valve()
+        if self._access.release.full_sequence_gate:
+            self._install_full_sequence_valve()
         self._log_start()
 
     def _log_start(self) -> None:
@@ -186,6 +189,29 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         else:
             manager.__dict__.pop("allocate_slots", None)
 
+    def _install_full_sequence_valve(self) -> None:
+        """0.19-0.20: the admission loop asks ``can_fit_full_sequence``
+        before ``allocate_slots`` and ``break``s on False (from 0.21 the
+        check is inside ``allocate_slots``). The same valve wraps it on this
+        scheduler's KVCacheManager instance: with nothing running, undo a
+        lateral victim's admission and ask again. (No async-load reservation
+        exists on these releases, so there is no stale one to drop.)
+        """
+        manager = self.kv_cache_manager
+        stock_fits = manager.can_fit_full_sequence
+
+        def can_fit_full_sequence(request: Request, *args: Any, **kwargs: Any) -> bool:
+            fits = bool(stock_fits(request, *args, **kwargs))
+            while not fits and self._may_preempt_for(request):
+                victim = self._choose_victim(request)
+                if victim is None:
+                    break
+                self._preempt_laterally(victim, request)
+                fits = bool(stock_fits(request, *args, **kwargs))
+            return fits
+
+        manager.can_fit_full_sequence = can_fit_full_sequence
+
     def _may_preempt_for(self, request: Request) -> bool:
         config = self.wedge_guard.config
         if not config.policy.lateral:
@@ -211,7 +237,21 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         has no transfer in flight, so it is no in-flight prefill; vLLM adds it
         back if this admission starts a load. True if there was one to drop.
         """
-        if request not in self._inflight_prefills or self._access.holds_blocks(request):
+        if self._access.release.parked and request in self._parked_reservations:
+            # 0.34 caches the same self-reservation as a parked one (set at
+            # its promotion after the failed load): give it back. vLLM parks
+            # it again if this admission starts a load, and drops it anyway
+            # when the request is admitted.
+            self._access.release_parked(request)
+            logger.info(
+                "wedge guard: %s's parked reservation counted against its own "
+                "admission; given back",
+                request.request_id,
+            )
+            return request not in self._parked_reservations
+        if not self._access.in_reservation(request) or self._access.holds_blocks(
+            request
+        ):
             return False
         self._inflight_prefills.discard(request)
         logger.info(
@@ -262,9 +302,11 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
             self._update_waiting_for_remote_kv(request)
         self.finished_recving_kv_req_ids.discard(req_id)
         self.failed_recving_kv_req_ids.discard(req_id)
-        self._free_request_blocks(request)
+        self._access.free_blocks(request)
         self.encoder_cache_manager.free(request)
-        self._inflight_prefills.discard(request)
+        # Out of the reservation set (0.23+), its parked reservation given
+        # back (0.34), its deferred load dropped (0.33+).
+        self._access.drop_reservation(request)
         request.num_computed_tokens = 0
         executed = self.wedge_guard.has_executed(req_id)
         request.status = RequestStatus.PREEMPTED if executed else RequestStatus.WAITING
@@ -272,7 +314,7 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         if self.log_stats:
             request.record_event(EngineCoreEventType.PREEMPTED, time.monotonic())
         self.waiting.prepend_request(request)
-        self.reset_preempted_req_ids.add(req_id)
+        self._access.note_preempted(req_id)
         self.wedge_guard.on_lateral_preemption(victim)
 
     # ---- overrides (each calls super) -------------------------------------------
@@ -296,12 +338,41 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
             model_runner_output = copy(model_runner_output)
             model_runner_output.kv_connector_output = kv_output
         if kv_output is not None:
+            received = set(kv_output.finished_recving or ())
             self.wedge_guard.filter_recv_notices(kv_output, self._awaits_recv_notice)
+            if not self._access.release.failed_recving:
+                self._drop_invalid_blocks_of_dropped_notices(kv_output, received)
             self.wedge_guard.record_failed_loads(self._failed_loads(kv_output))
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self._finished_mid_recv:
             self._finished_mid_recv &= self.requests.keys()
         return outputs
+
+    def _drop_invalid_blocks_of_dropped_notices(
+        self, kv_output: KVConnectorOutput, received: set[str]
+    ) -> None:
+        """Before 0.30 a failed receive is a finished one plus its blocks in
+        ``invalid_block_ids``. When the guard drops a receive notice
+        (duplicate or late), the failure it carried goes too: the blocks of
+        that request leave the invalid set, as 0.30+'s ``failed_recving`` is
+        cut to the accepted receives -- else a loaded, even running, request
+        would be failed by another's duplicate report."""
+        invalid = kv_output.invalid_block_ids
+        if not invalid:
+            return
+        dropped = received - set(kv_output.finished_recving or ())
+        for req_id in dropped:
+            if req_id in self.requests:
+                block_ids = self.kv_cache_manager.get_block_ids(req_id)
+                invalid.difference_update(block_ids[0] if block_ids else ())
+
+    def add_request(self, request: Request) -> None:
+        """Before 0.22 vLLM does not tell the connector of a new request
+        (``on_new_request``): the guard's ledger is told here instead."""
+        new = request.request_id not in self.requests
+        super().add_request(request)
+        if new and not self._access.release.new_request_hook:
+            self.wedge_guard.on_arrival(request.request_id)
 
     def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
         """Remember which finished requests still wait on their receive.
@@ -349,9 +420,11 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         loads and to running (sync-loaded) requests holding them.
         """
         waiting = RequestStatus.WAITING_FOR_REMOTE_KVS
+        # Before 0.30 there is no failed_recving: a failed async load is a
+        # finished receive whose blocks are invalid (handled below).
         failed = {
             req_id
-            for req_id in kv_output.failed_recving or ()
+            for req_id in getattr(kv_output, "failed_recving", None) or ()
             if (request := self.requests.get(req_id)) is not None
             and request.status == waiting
         }
@@ -393,7 +466,7 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
 
     # ---- observation: gauges, the WARNING line, the wedge alarm -----------------
     def _after_schedule(self, output: SchedulerOutput) -> None:
-        num_holders = recv_done = blocks_held = 0
+        num_holders = recv_done = in_flight = blocks_held = 0
         get_blocks = self.kv_cache_manager.get_blocks
         recv_done_ids = self.finished_recving_kv_req_ids
         waiting_for_kvs = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -404,11 +477,11 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
                 num_holders += 1
                 blocks = get_blocks(request.request_id).blocks
                 blocks_held += len(blocks[0]) if blocks else 0
-                if (
-                    request.status == waiting_for_kvs
-                    and request.request_id in recv_done_ids
-                ):
-                    recv_done += 1
+                if request.status == waiting_for_kvs:
+                    if request.request_id in recv_done_ids:
+                        recv_done += 1
+                    else:
+                        in_flight += 1
         step = StepObservation(
             output.total_num_scheduled_tokens,
             len(self.running),
@@ -416,6 +489,7 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
             num_holders,
             recv_done,
             blocks_held,
+            in_flight,
         )
         self.wedge_guard.observe_step(step, self._holder_views)
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm_mooncake import logger_for
+from vllm_mooncake.compat.releases import kv_output_has_failed_recving
 from vllm_mooncake.guard.config import GuardConfig
 from vllm_mooncake.guard.containment import ALLOC, ChildFault
 from vllm_mooncake.guard.ledger import (
@@ -271,7 +272,10 @@ class GuardSchedulerSide:
         req_id = request.request_id
         if self.ledger.recv_state(req_id) is RecvState.IN_FLIGHT:
             self._unstarted_recvs.add(req_id)
-            return
+            if kv_output_has_failed_recving():
+                return
+            # Before 0.30 a failed receive is reported as finished with its
+            # blocks invalid: fall through to name the blocks.
         looked_up, computed = self._last_lookup
         start = computed if looked_up == req_id else request.num_computed_tokens
         end = start + num_external_tokens
@@ -328,7 +332,8 @@ class GuardSchedulerSide:
             return
         self._filtered_output = connector_output
         self._report_unstarted_loads(connector_output)
-        failed = connector_output.failed_recving or set()
+        # Before 0.30 a failed receive is a finished one with invalid blocks.
+        failed = getattr(connector_output, "failed_recving", None) or set()
         kept: set[str] = set()
         if connector_output.finished_recving:
             kept = self._accepted_recvs(
@@ -348,9 +353,11 @@ class GuardSchedulerSide:
             self._unstarted_recvs.clear()
             if live:
                 finished = set(connector_output.finished_recving or ())
-                failed = set(connector_output.failed_recving or ())
                 connector_output.finished_recving = finished | live
-                connector_output.failed_recving = failed | live
+                if kv_output_has_failed_recving():
+                    failed = set(connector_output.failed_recving or ())
+                    connector_output.failed_recving = failed | live
+                # else (before 0.30) their blocks are in _unstarted_blocks.
         if self._unstarted_blocks:
             invalid = set(connector_output.invalid_block_ids or ())
             connector_output.invalid_block_ids = invalid | self._unstarted_blocks

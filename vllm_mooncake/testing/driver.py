@@ -58,6 +58,10 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
+from vllm_mooncake.compat.releases import (  # noqa: E402
+    kv_output_has_failed_recving,
+)
+from vllm_mooncake.testing.outputs import model_runner_output  # noqa: E402
 from vllm_mooncake.testing.scripted_connector import (  # noqa: E402
     ScriptedTransferWorker,
 )
@@ -86,6 +90,8 @@ class EngineShape:
     reserve_full_isl: bool = True
     enable_prefix_caching: bool = True
     async_scheduling: bool = False
+    # vLLM 0.34+: cap on async KV loads in flight (None: vLLM's default, off).
+    max_num_inflight_kv_loads: int | None = None
 
 
 @cache
@@ -108,6 +114,9 @@ def make_vllm_config(
 ) -> VllmConfig:
     """A real ``VllmConfig`` for the tiny local model (built offline)."""
     model_config = _model_config(shape.max_model_len)
+    extra: dict[str, Any] = {}
+    if shape.max_num_inflight_kv_loads is not None:
+        extra["max_num_inflight_kv_loads"] = shape.max_num_inflight_kv_loads
     scheduler_config = SchedulerConfig(
         max_num_seqs=shape.max_num_seqs,
         max_num_batched_tokens=shape.max_num_batched_tokens,
@@ -118,6 +127,7 @@ def make_vllm_config(
         scheduler_reserve_full_isl=shape.reserve_full_isl,
         async_scheduling=shape.async_scheduling,
         scheduler_cls=scheduler_cls,
+        **extra,
     )
     cache_config = CacheConfig(
         block_size=shape.block_size,
@@ -355,24 +365,29 @@ class SchedulerDriver:
             request = self.scheduler.requests[req_id]
             # A partial prefill chunk samples nothing; anything else samples one.
             sampled.append([] if request.is_prefill_chunk else [SAMPLED_TOKEN_ID])
+        failed_recving = set(failed_recving)
+        if failed_recving and not kv_output_has_failed_recving():
+            # Before 0.30 an injected failure is reported by its blocks.
+            invalid_block_ids = set(invalid_block_ids)
+            for req_id in failed_recving:
+                if req_id in self.scheduler.requests:
+                    block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+                    invalid_block_ids.update(block_ids[0] if block_ids else ())
         kv_output = self.worker.advance(
             so, finished_recving, failed_recving, invalid_block_ids, finished_sending
         )
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=kv_output,
-        )
+        return model_runner_output(req_ids, sampled, kv_output)
 
     def _check_worker_protocol(self, so: SchedulerOutput) -> None:
         """Reject what vLLM's model runner would reject (KeyError there)."""
         for new in so.scheduled_new_reqs:
             self._worker_requests.add(new.req_id)
         cached = so.scheduled_cached_reqs
+        # 0.34 has no resumed_req_ids: it re-sends a preempted request as new.
+        resumed = getattr(cached, "resumed_req_ids", ())
         for req_id in cached.req_ids:
             if req_id not in self._worker_requests:
-                kind = "resumed" if req_id in cached.resumed_req_ids else "cached"
+                kind = "resumed" if req_id in resumed else "cached"
                 raise WorkerProtocolError(
                     f"{req_id} was sent to the worker as {kind} but the worker "
                     "never saw it as new (the GPU model runner raises KeyError)"

@@ -55,6 +55,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.outputs import KVConnectorOutput
 
+from vllm_mooncake.testing.outputs import kv_connector_output
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
@@ -414,6 +416,7 @@ class ScriptedTransferWorker:
         failed = set(extra_failed)
         invalid = set(extra_invalid_blocks)
         sending = set(extra_finished_sending)
+        failed_blocks: set[int] = set()
         for req_id, transfer in list(self._transfers.items()):
             if not transfer.lands(end):
                 continue
@@ -427,14 +430,12 @@ class ScriptedTransferWorker:
             finished.add(req_id)
             if order.outcome == "fail":
                 failed.add(req_id)
+                failed_blocks |= order.invalid_block_ids()
             elif order.outcome == "partial":
                 invalid |= order.invalid_block_ids()
-        return KVConnectorOutput(
-            finished_sending=sending or None,
-            finished_recving=finished or None,
-            failed_recving=failed,
-            invalid_block_ids=invalid,
-        )
+        # 0.30+: failed_recving; before, a failure is a finished receive
+        # whose blocks are invalid (testing/outputs.py).
+        return kv_connector_output(sending, finished, failed, invalid, failed_blocks)
 
     def cancel(self, req_id: ReqId) -> None:
         """Forget a transfer (e.g. a request aborted before it landed)."""

@@ -9,14 +9,15 @@ pool of 100 usable blocks of 16 tokens and 2048-token chunks:
   (store hit of 50 of its 80 blocks) and B (P->D transfer of 50 blocks) both
   finish loading; A is promoted first, needs 30 more blocks, none are free;
   the admission loop breaks; B is never promoted. Stock vLLM >= 0.23 avoids
-  it with its async-load reservation; without the reservation (pre-0.23, or
-  our ``lateral`` policy) it forms.
+  it with its async-load reservation; without the reservation (0.19-0.22,
+  with default config, or our ``no-reserve`` policy) it forms.
 * ``w1``    -- ``policy=priority`` + ``scheduler_reserve_full_isl=False``:
   X (priority 0) is admitted on a 40-block store hit without its remaining
   50 blocks being checked; Y (priority 1, transfer done) sits behind X.
 * ``w2``    -- ``kv_load_failure_policy=recompute``: A's store load fails
   entirely; A, re-offered the hit, reserves blocks against itself and can
-  never be admitted; B (transfer done) sits behind A.
+  never be admitted; B (transfer done) sits behind A. 0.23+ (it needs the
+  async-load reservation).
 * ``hol``   -- head of line, vLLM 0.19-0.30: C holds no blocks but was skipped
   once (its store lookup said "ask later") into ``skipped_waiting``; B's
   60-block transfer is admitted behind it; C then needs 50 blocks with 40
@@ -26,7 +27,7 @@ pool of 100 usable blocks of 16 tokens and 2048-token chunks:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vllm_mooncake.testing.configs import pd_transfer, store_hit
@@ -58,6 +59,25 @@ class WedgeScenario:
     # Extra guard/connector settings a scenario needs (e.g. no reservation).
     needs_no_reservation: bool = False
     tags: tuple[str, ...] = field(default_factory=tuple)
+    # The release series on which stock vLLM stalls for good on this layout:
+    # with the wedge's own config (``shape``, ``kv_load_failure_policy``),
+    # and with vLLM's default config. Measured on each release's own code
+    # (``bench/release_wedges.py``; tests/test_stock_wedges.py holds stock to
+    # them on every release, both ways).
+    wedges_on: tuple[str, ...] = ()
+    wedges_on_defaults: tuple[str, ...] = ()
+
+    def with_default_config(self) -> WedgeScenario:
+        """The same arrivals on vLLM's default scheduler config (FCFS, full-ISL
+        check, ``kv_load_failure_policy=fail``); pool and chunk unchanged."""
+        shape = EngineShape(
+            num_blocks=self.shape.num_blocks, block_size=self.shape.block_size
+        )
+        return replace(self, shape=shape, kv_load_failure_policy="fail")
+
+
+def _series(first: int, last: int) -> tuple[str, ...]:
+    return tuple(f"0.{minor}" for minor in range(first, last + 1))
 
 
 def _shape(**kw: Any) -> EngineShape:
@@ -74,6 +94,9 @@ SEED = WedgeScenario(
     ),
     stranded="B",
     needs_no_reservation=True,
+    # No reservation before 0.23: the layout alone wedges, default config.
+    wedges_on=_series(19, 22),
+    wedges_on_defaults=_series(19, 22),
 )
 
 W1 = WedgeScenario(
@@ -87,6 +110,7 @@ W1 = WedgeScenario(
         ),
     ),
     stranded="Y",
+    wedges_on=_series(19, 34),
 )
 
 W2 = WedgeScenario(
@@ -106,6 +130,8 @@ W2 = WedgeScenario(
     ),
     kv_load_failure_policy="recompute",
     stranded="B",
+    # Needs the async-load reservation (0.23+) to reserve against itself.
+    wedges_on=_series(23, 34),
 )
 
 HOL = WedgeScenario(
@@ -123,6 +149,9 @@ HOL = WedgeScenario(
     ),
     stranded="B",
     tags=("vllm<=0.30",),
+    # skipped_waiting (0.19-0.30); default config.
+    wedges_on=_series(19, 30),
+    wedges_on_defaults=_series(19, 30),
 )
 
 CATALOGUE: dict[str, WedgeScenario] = {s.name: s for s in (SEED, W1, W2, HOL)}
