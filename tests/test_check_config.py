@@ -281,7 +281,7 @@ def test_check_config_input_errors(
 
 def test_check_returns_a_summary_or_the_error() -> None:
     assert check({"kv_transfer_config": guarded("lateral")}).startswith(
-        "policy=lateral max_attempts=16 max_failed_loads=3 "
+        "policy=lateral max_attempts=16 max_failed_loads=3 stall_alarm_s=10 "
         "children=[ScriptedLoadConnector, "
     )
     assert check_kv_transfer_config(guarded()) is None

@@ -356,6 +356,45 @@ def test_reservation_kept_under_lateral_is_caught(
     assert "(policy lateral)" in str(error)
 
 
+def _two_stalls() -> int:
+    """Two genuine stalls on vLLM's scheduler, checked after every step:
+    W1 under ``reserve`` (no valve) wedges; aborting X ends the stall (Y
+    runs); a second W1 pair wedges again and is aborted too. Returns the
+    alarms the guard raised."""
+    from vllm.v1.request import RequestStatus
+
+    again = tuple(
+        replace(a, step=a.step + 30, req_id=a.req_id + "2") for a in W1.arrivals
+    )
+    scenario = replace(W1, arrivals=W1.arrivals + again)
+    driver = SchedulerDriver.build(
+        scenario.shape,
+        guarded(
+            "reserve",
+            kv_load_failure_policy=scenario.kv_load_failure_policy,
+            stall_alarm_steps=3,
+        ),
+    )
+    checker = InvariantChecker(driver, stall_bound=None, watch_laterals=False)
+    aborts = {15: "X", 45: "X2"}
+    steps = [0]
+
+    def after_step(result: Any) -> None:
+        checker.after_step(result)
+        steps[0] += 1
+        if steps[0] in aborts:
+            driver.scheduler.finish_requests(
+                aborts[steps[0]], RequestStatus.FINISHED_ABORTED
+            )
+
+    play(driver, scenario, 70, until=lambda d: False, after_step=after_step)
+    return int(driver.scheduler.wedge_guard.stats.wedges_detected)
+
+
+def test_two_stalls_raise_two_alarms_on_the_real_guard() -> None:
+    assert _two_stalls() == 2
+
+
 def test_alarm_never_re_armed_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Once raised, the alarm stays raised: the next stall goes unreported."""
     observe = GuardSchedulerSide.observe_step
@@ -366,8 +405,10 @@ def test_alarm_never_re_armed_is_caught(monkeypatch: pytest.MonkeyPatch) -> None
         self._alarm_raised = self._alarm_raised or raised
 
     monkeypatch.setattr(GuardSchedulerSide, "observe_step", never_re_armed)
-    error = first_violation({ALARM})
-    assert "expected" in str(error) and "wedge alarm" in str(error)
+    with pytest.raises(InvariantViolation) as info:
+        _two_stalls()
+    assert info.value.invariant == ALARM
+    assert "expected" in str(info.value) and "wedge alarm" in str(info.value)
 
 
 def test_ledger_not_told_of_a_lateral_preemption_is_caught(

@@ -124,3 +124,43 @@ def test_no_stall_is_counted_without_waiting_holders() -> None:
     side, _ = _side(stall_alarm_steps=1)
     side.observe_step(StepObservation(0, 0, ()), list)
     assert side.stats.stalled_steps == 0 and side.stats.wedges_detected == 0
+
+
+def _in_flight(req_id: str, blocks: int) -> HolderView:
+    return HolderView(req_id, WaitStatus.WAITING_FOR_REMOTE_KVS, 0, blocks, False)
+
+
+def test_a_receive_in_flight_is_a_slow_transfer_not_a_stall() -> None:
+    """No token, nothing running, blocks held -- but a receive has not landed:
+    it will, so no stall is counted and no alarm fires, however long."""
+    side, _ = _side(stall_alarm_steps=3)
+    holders = [_recv_done("B", 50), _in_flight("C", 20)]
+    for _ in range(10):
+        side.observe_step(StepObservation.of(0, 0, (), holders), lambda: holders)
+    assert side.stats.stalled_steps == 0
+    assert side.stats.wedges_detected == 0
+    assert side.stats.blocks_held_by_non_running == 70
+    # Once it lands, the same picture is a stall.
+    landed = [_recv_done("B", 50), _recv_done("C", 20)]
+    for _ in range(3):
+        side.observe_step(StepObservation.of(0, 0, (), landed), lambda: landed)
+    assert side.stats.wedges_detected == 1
+
+
+def test_the_alarm_fires_after_stall_alarm_s_on_a_slow_stepping_engine() -> None:
+    """An engine that steps slowly reaches stall_alarm_s before
+    stall_alarm_steps: the alarm fires on time, then once only."""
+    now = [100.0]
+    side, _ = _side(stall_alarm_steps=2000, stall_alarm_s=5.0)
+    side.clock = lambda: now[0]
+    holders = [_recv_done("B", 50)]
+    stalled = StepObservation.of(0, 0, (), holders)
+    for _ in range(4):  # 4 steps, 2 s apart: 6 s since the stall began
+        side.observe_step(stalled, lambda: holders)
+        now[0] += 2.0
+    assert side.stats.stalled_steps == 4
+    assert side.stats.wedges_detected == 1
+    for _ in range(5):
+        side.observe_step(stalled, lambda: holders)
+        now[0] += 2.0
+    assert side.stats.wedges_detected == 1

@@ -69,8 +69,13 @@ class GuardConfig:
     policy: Policy = DEFAULT_POLICY
     # Lateral preemptions allowed per schedule() call.
     max_attempts: int = 16
-    # Zero-token steps, with block holders waiting, before the wedge alarm.
+    # A stall -- steps that schedule no token while nothing runs, waiting
+    # requests hold blocks and no receive is in flight -- raises the wedge
+    # alarm once it lasted stall_alarm_steps steps or stall_alarm_s seconds,
+    # whichever comes first. A stalled CPU server steps every ~1.5 ms, so
+    # 2000 steps is ~3 s there; the seconds bound covers slower steppers.
     stall_alarm_steps: int = 2000
+    stall_alarm_s: float = 10.0
     # Fire the valve only when nothing is running (a stall with running
     # requests ends by itself when they free blocks).
     only_when_idle: bool = True
@@ -97,6 +102,7 @@ class GuardConfig:
             "policy",
             "max_attempts",
             "stall_alarm_steps",
+            "stall_alarm_s",
             "only_when_idle",
             "max_failed_loads",
             "strict",
@@ -115,6 +121,7 @@ class GuardConfig:
             stall_alarm_steps=_int_in(
                 raw, "stall_alarm_steps", cls.stall_alarm_steps, 1, 10**9
             ),
+            stall_alarm_s=_seconds(raw, "stall_alarm_s", cls.stall_alarm_s),
             only_when_idle=_bool(raw, "only_when_idle", cls.only_when_idle),
             max_failed_loads=_int_in(
                 raw, "max_failed_loads", cls.max_failed_loads, *MAX_FAILED_LOADS_RANGE
@@ -153,6 +160,20 @@ def _int_in(raw: Mapping[str, Any], name: str, default: int, lo: int, hi: int) -
             f"{FIELD_PREFIX}.{name}: {value} is out of range; use {lo}..{hi}"
         )
     return value
+
+
+def _seconds(raw: Mapping[str, Any], name: str, default: float) -> float:
+    value = raw.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise GuardConfigError(
+            f"{FIELD_PREFIX}.{name}: expected a number of seconds, got {value!r} "
+            f"({type(value).__name__}); write e.g. {default}"
+        )
+    if not 0.01 <= value <= 86400:
+        raise GuardConfigError(
+            f"{FIELD_PREFIX}.{name}: {value} is out of range; use 0.01..86400"
+        )
+    return float(value)
 
 
 def _bool(raw: Mapping[str, Any], name: str, default: bool) -> bool:

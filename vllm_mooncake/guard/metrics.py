@@ -61,8 +61,9 @@ COUNTER_METRICS: tuple[tuple[str, str, str], ...] = (
         "vllm:kv_guard_wedges_detected",
         "wedges_detected",
         "Number of wedge alarms: stall_alarm_steps consecutive scheduler steps "
-        "that scheduled no token while waiting requests held KV blocks and "
-        "nothing ran. Each alarm means the engine was stuck.",
+        "(or stall_alarm_s seconds) that scheduled no token while waiting "
+        "requests held KV blocks, nothing ran and no receive was in flight. "
+        "Each alarm means the engine was stuck.",
     ),
     (
         "vllm:kv_guard_wedges_resolved",
@@ -104,8 +105,9 @@ GAUGE_METRICS: tuple[tuple[str, str, str], ...] = (
         "vllm:kv_guard_stalled_steps",
         "stalled_steps",
         "Consecutive scheduler steps that scheduled no token while nothing "
-        "ran and waiting requests held KV blocks (0 when not stalled). The "
-        "wedge alarm fires when it reaches stall_alarm_steps.",
+        "ran, waiting requests held KV blocks and no receive was in flight "
+        "(0 when not stalled). The wedge alarm fires when it reaches "
+        "stall_alarm_steps or the stall lasts stall_alarm_s seconds.",
     ),
 )
 

@@ -82,7 +82,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm_mooncake.guard.ledger import RecvState
+from vllm_mooncake.guard.ledger import RecvState, WaitStatus
 from vllm_mooncake.testing.leaks import scheduler_leaks
 
 if TYPE_CHECKING:
@@ -851,10 +851,15 @@ class InvariantChecker:
         """ALARM: once per stall of ``stall_alarm_steps`` steps, re-armed after."""
         scheduler = self.scheduler
         side = scheduler.wedge_guard
+        views = scheduler._holder_views()
         stalled = (
             so.total_num_scheduled_tokens == 0
             and not scheduler.running
-            and bool(scheduler._holder_views())
+            and bool(views)
+            and not any(
+                v.status is WaitStatus.WAITING_FOR_REMOTE_KVS and not v.recv_finished
+                for v in views
+            )
         )
         self._alarm_streak = self._alarm_streak + 1 if stalled else 0
         if self._alarm_streak >= side.config.stall_alarm_steps and self._alarm_armed:

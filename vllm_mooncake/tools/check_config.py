@@ -85,6 +85,7 @@ def check(raw: Any) -> str:
     return (
         f"policy={guard.policy.value} max_attempts={guard.max_attempts} "
         f"max_failed_loads={guard.max_failed_loads} "
+        f"stall_alarm_s={guard.stall_alarm_s:g} "
         f"children=[{names}] on vLLM {series}.x"
     )
 
