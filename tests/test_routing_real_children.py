@@ -256,3 +256,59 @@ def test_guard_computes_unroutable_remote_prefill_locally() -> None:
     assert connector.scheduler_side.stats.ledger_errors == 0
     assert_children_hold_nothing(connector)
     assert_scheduler_empty(d.scheduler)
+
+
+# ---- 4. Prometheus: MooncakeConnector's transfer stats -----------------------------
+def _prom(registry: Any, vllm_config: Any) -> Any:
+    """vLLM's front-end ``KVConnectorProm`` for ``vllm_config``, on ``registry``."""
+    from prometheus_client import Counter, Gauge, Histogram
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+    def bound(base: type[Any]) -> type[Any]:
+        class Bound(base):  # type: ignore[misc,valid-type]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                kwargs.setdefault("registry", registry)
+                super().__init__(*args, **kwargs)
+
+        return Bound
+
+    class Prom(KVConnectorProm):  # type: ignore[misc]
+        _gauge_cls = bound(Gauge)
+        _counter_cls = bound(Counter)
+        _histogram_cls = bound(Histogram)
+
+    return Prom(vllm_config, ["model_name", "engine"], {0: ["tiny", "0"]})
+
+
+def _mooncake_transfer_report() -> dict[str, Any]:
+    """What a worker's MooncakeConnector reports after one transfer, as the
+    front-end receives it: stats keyed by the child's class name."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.stats import (
+        MooncakeKVConnectorStats,
+    )
+
+    stats = MooncakeKVConnectorStats()
+    stats.record_transfer(0.004, 1 << 20, 8)
+    return {"MooncakeConnector": stats.data}
+
+
+@pytest.mark.parametrize("kv_connector", ["MultiConnector", "WedgeGuardConnector"])
+def test_mooncake_transfer_stats_reach_prometheus_without_killing_the_front_end(
+    kv_connector: str,
+) -> None:
+    """vLLM 0.32's MooncakeConnector reports transfer stats but builds no
+    Prometheus metrics. Stock MultiConnector asserts that every child with
+    stats has them: the first P->D transfer raises in the API server's
+    output handler (on a real 1P2D it ended the server). The guard connector
+    keeps those stats in the log line and goes on."""
+    from prometheus_client import CollectorRegistry
+
+    d = build(kv_connector)
+    prom = _prom(CollectorRegistry(), d.scheduler.vllm_config)
+    report = _mooncake_transfer_report()
+    if kv_connector == "MultiConnector":
+        with pytest.raises(AssertionError, match="MooncakeConnector is not contained"):
+            prom.observe(report, 0)
+        return
+    for _ in range(3):  # every later report too
+        prom.observe(report, 0)
