@@ -16,6 +16,7 @@ tests at ``VLLM_MOONCAKE_PROPERTY_EXAMPLES=25``). ::
     python bench/mutation.py                      # every file of guard/
     python bench/mutation.py --only ledger.py scheduler.py
     python bench/mutation.py --report             # survivors of the last run
+    python bench/mutation.py --only ledger.py --mutants NAME ...  # re-check some
 
 Exit code 0 when the run completed (survivors are reported, not failed on).
 """
@@ -81,9 +82,9 @@ def prepare(only: Sequence[str]) -> None:
     )
 
 
-def run(max_children: int) -> int:
+def run(max_children: int, mutants: Sequence[str] = ()) -> int:
     env = {**os.environ, "VLLM_MOONCAKE_PROPERTY_EXAMPLES": "25"}
-    cmd = [str(MUTMUT), "run", "--max-children", str(max_children)]
+    cmd = [str(MUTMUT), "run", "--max-children", str(max_children), *mutants]
     return subprocess.call(cmd, cwd=WORK, env=env)
 
 
@@ -108,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", nargs="*", default=[], help="files of guard/ to mutate")
     p.add_argument("--max-children", type=int, default=2)
+    p.add_argument(
+        "--mutants",
+        nargs="*",
+        default=[],
+        help="run only these mutants (names as mutmut results prints them)",
+    )
     p.add_argument("--report", action="store_true", help="only print the survivors")
     return p
 
@@ -122,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.report:
         prepare(args.only)
         start = time.monotonic()
-        code = run(args.max_children)
+        code = run(args.max_children, args.mutants)
         print(f"mutmut run: exit {code}, {time.monotonic() - start:.0f} s")
     survivors = report()
     (WORK / "survivors.txt").write_text(survivors)
