@@ -34,6 +34,8 @@ def test_defaults() -> None:
         ({"max_attempts": True}, "wedge_guard.max_attempts", "expected an integer"),
         ({"only_when_idle": "yes"}, "wedge_guard.only_when_idle", "true or false"),
         ({"stall_alarm_steps": -1}, "wedge_guard.stall_alarm_steps", "out of range"),
+        ({"stall_alarm_s": 0}, "wedge_guard.stall_alarm_s", "use 0.01..86400"),
+        ({"stall_alarm_s": "10s"}, "wedge_guard.stall_alarm_s", "number of seconds"),
         ({"polcy": "lateral"}, "wedge_guard.polcy", "unknown field"),
         ("lateral", "wedge_guard", "expected a JSON object"),
     ],

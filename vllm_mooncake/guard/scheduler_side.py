@@ -31,6 +31,7 @@ read by attribute, so the class runs in unit tests with plain objects.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -83,6 +84,7 @@ class StepObservation:
     num_holders: int = 0  # waiting requests that hold KV blocks
     recv_done_holders: int = 0  # of them, WAITING_FOR_REMOTE_KVS, recv done
     blocks_held: int = 0  # the blocks they hold
+    recv_in_flight: int = 0  # holders whose receive has not landed yet
 
     @classmethod
     def of(
@@ -99,8 +101,19 @@ class StepObservation:
             if v.status is WaitStatus.WAITING_FOR_REMOTE_KVS and v.recv_finished
         )
         blocks = sum(v.num_blocks for v in views)
+        in_flight = sum(
+            1
+            for v in views
+            if v.status is WaitStatus.WAITING_FOR_REMOTE_KVS and not v.recv_finished
+        )
         return cls(
-            scheduled_tokens, num_running, lateral, len(views), recv_done, blocks
+            scheduled_tokens,
+            num_running,
+            lateral,
+            len(views),
+            recv_done,
+            blocks,
+            in_flight,
         )
 
 
@@ -131,9 +144,12 @@ class GuardSchedulerSide:
         self._unstarted_blocks: set[int] = set()
         self._alloc_fault: ChildFault | None = None
         self._last_lookup: tuple[str, int] = ("", 0)
-        # The stall being watched: zero-token steps while holders wait.
+        # The stall being watched: zero-token steps while holders wait, none
+        # runs and no receive is in flight; its start on ``clock``.
         self._stall_steps = 0
+        self._stall_since = 0.0
         self._alarm_raised = False
+        self.clock: Callable[[], float] = time.monotonic
         # Requests whose ledger disagreement was logged (once per request).
         self._disagreement_logged: dict[str, None] = {}
 
@@ -437,28 +453,41 @@ class GuardSchedulerSide:
         stats.blocks_held_by_non_running = step.blocks_held
         if step.lateral:
             self._report_resolution(step.lateral, views())
+        # A receive in flight is a slow transfer, not a wedge: it will land.
         stalled = (
-            step.scheduled_tokens == 0 and not step.num_running and step.num_holders > 0
+            step.scheduled_tokens == 0
+            and not step.num_running
+            and step.num_holders > 0
+            and not step.recv_in_flight
         )
-        self._stall_steps = self._stall_steps + 1 if stalled else 0
+        if not stalled:
+            self._stall_steps = stats.stalled_steps = 0
+            self._alarm_raised = False
+            return
+        if self._stall_steps == 0:
+            self._stall_since = self.clock()
+        self._stall_steps += 1
         stats.stalled_steps = self._stall_steps
-        if (
-            self._stall_steps >= self.config.stall_alarm_steps
-            and not self._alarm_raised
-        ):
+        if not self._alarm_raised and self._stall_is_a_wedge():
             self._alarm_raised = True
             stats.wedges_detected += 1
             logger.error(
-                "wedge alarm: no token scheduled for %d steps while %d waiting "
-                "request(s) hold %d KV blocks and none runs; policy=%s; holders: %s",
+                "wedge alarm: no token scheduled for %d steps (%.1f s) while %d "
+                "waiting request(s) hold %d KV blocks, none runs and no receive "
+                "is in flight; policy=%s; holders: %s",
                 self._stall_steps,
+                self.clock() - self._stall_since,
                 step.num_holders,
                 stats.blocks_held_by_non_running,
                 self.config.policy.value,
                 self.ledger.snapshot(views()),
             )
-        elif not stalled:
-            self._alarm_raised = False
+
+    def _stall_is_a_wedge(self) -> bool:
+        config = self.config
+        if self._stall_steps >= config.stall_alarm_steps:
+            return True
+        return self.clock() - self._stall_since >= config.stall_alarm_s
 
     def _report_resolution(
         self, lateral: Sequence[tuple[Victim, str]], views: Sequence[HolderView]
