@@ -48,6 +48,9 @@ BEGIN, END = "<!-- release-wedges:begin -->", "<!-- release-wedges:end -->"
 # ---- in the release's own interpreter ------------------------------------------
 def measure_here() -> dict[str, dict[str, str]]:
     """Every cell for the installed (overlaid) release."""
+    from vllm_mooncake.plugin import register
+
+    register()  # what vLLM does at start-up: the guard connector's name
     from vllm_mooncake.testing.configs import guarded, scripted_multi
     from vllm_mooncake.testing.driver import SchedulerDriver
     from vllm_mooncake.testing.wedges import CATALOGUE, WedgeScenario, play
