@@ -41,7 +41,9 @@ install_ibverbs() {
 # cold): tests/test_vllm_releases.py and bench/release_wedges.py run each
 # release's own scheduler code over this environment with PYTHONPATH.
 fetch_vllm_releases() {
-  PYTHON="$VENV/bin/python" scripts/fetch_vllm_releases.sh | grep -v ': cached' || true
+  local out
+  out=$(PYTHON="$VENV/bin/python" scripts/fetch_vllm_releases.sh) # fails setup if a fetch fails
+  grep -v ': cached' <<<"$out" || true
 }
 
 if installed_stamp >/dev/null; then
