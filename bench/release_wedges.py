@@ -107,15 +107,11 @@ def measure(version: str) -> tuple[str, dict[str, dict[str, str]] | str, float]:
 
 def markdown(results: list[tuple[str, dict[str, dict[str, str]] | str, float]]) -> str:
     title = {
-        "defaults": "stock, default config",
-        "own-config": "stock, the wedge's config",
-        "guarded": "guarded (default policy), the wedge's config",
+        "defaults": "stock, defaults",
+        "own-config": "stock, its config",
+        "guarded": "guarded",
     }
-    head = ["vLLM"] + [
-        f"{LABEL[name]}" + (f" ({title[c]})" if i == 0 else "")
-        for c in COLUMNS
-        for i, name in enumerate(ORDER)
-    ]
+    head = ["vLLM"] + [f"{title[c]}: {LABEL[n]}" for c in COLUMNS for n in ORDER]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
 
     def cell(text: str) -> str:
@@ -152,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_mooncake.testing.overlays import RELEASES
 
     versions = args.versions or list(RELEASES)
+    if args.record and versions != list(RELEASES):
+        parser.error("--record rewrites README's whole table: measure every release")
     began = time.time()
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         results = list(pool.map(measure, versions))
