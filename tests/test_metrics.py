@@ -17,16 +17,12 @@ import pytest
 from prometheus_client import (
     REGISTRY,
     CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
     generate_latest,
 )
 from prometheus_client.parser import text_string_to_metric_families
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorLogging,
-    KVConnectorProm,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiKVConnectorStats,
@@ -43,6 +39,7 @@ from vllm_mooncake.guard.metrics import GUARD_STATS_KEY, GuardKVConnectorStats
 from vllm_mooncake.guard.stats import GuardStats
 from vllm_mooncake.testing.configs import guarded, pd_transfer, store_hit
 from vllm_mooncake.testing.driver import SchedulerDriver, StepResult
+from vllm_mooncake.testing.prom import prom_in
 from vllm_mooncake.testing.wedges import W1, play
 
 LABELNAMES = ["model_name", "engine"]
@@ -69,25 +66,6 @@ def reported_payloads(results: list[StepResult]) -> list[dict[str, Any]]:
             if stats is not None and stats.kv_connector_stats:
                 payloads.append(stats.kv_connector_stats)
     return payloads
-
-
-def prom_in(registry: CollectorRegistry) -> type[KVConnectorProm]:
-    """vLLM's ``KVConnectorProm`` with its metric types bound to ``registry``."""
-
-    def bound(base: type[Any]) -> type[Any]:
-        class Bound(base):  # type: ignore[misc,valid-type]
-            def __init__(self, *args: Any, **kwargs: Any) -> None:
-                kwargs.setdefault("registry", registry)
-                super().__init__(*args, **kwargs)
-
-        return Bound
-
-    class Prom(KVConnectorProm):  # type: ignore[misc]
-        _gauge_cls = bound(Gauge)
-        _counter_cls = bound(Counter)
-        _histogram_cls = bound(Histogram)
-
-    return Prom
 
 
 def samples(exposition: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

@@ -261,23 +261,9 @@ def test_guard_computes_unroutable_remote_prefill_locally() -> None:
 # ---- 4. Prometheus: MooncakeConnector's transfer stats -----------------------------
 def _prom(registry: Any, vllm_config: Any) -> Any:
     """vLLM's front-end ``KVConnectorProm`` for ``vllm_config``, on ``registry``."""
-    from prometheus_client import Counter, Gauge, Histogram
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+    from vllm_mooncake.testing.prom import prom_in
 
-    def bound(base: type[Any]) -> type[Any]:
-        class Bound(base):  # type: ignore[misc,valid-type]
-            def __init__(self, *args: Any, **kwargs: Any) -> None:
-                kwargs.setdefault("registry", registry)
-                super().__init__(*args, **kwargs)
-
-        return Bound
-
-    class Prom(KVConnectorProm):  # type: ignore[misc]
-        _gauge_cls = bound(Gauge)
-        _counter_cls = bound(Counter)
-        _histogram_cls = bound(Histogram)
-
-    return Prom(vllm_config, ["model_name", "engine"], {0: ["tiny", "0"]})
+    return prom_in(registry)(vllm_config, ["model_name", "engine"], {0: ["tiny", "0"]})
 
 
 def _mooncake_transfer_report() -> dict[str, Any]:
