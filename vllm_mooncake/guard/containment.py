@@ -29,7 +29,6 @@ side are not wrapped: a fault there has no single request to give it to.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -81,13 +80,9 @@ class ContainedChild:
         return self._child
 
     def __getattr__(self, name: str) -> Any:
-        """Forward to the child; a method, once looked up, is kept on the
-        proxy (MultiConnector calls several per child per step). Attributes
-        that are not methods are read afresh each time."""
-        value = getattr(self._child, name)
-        if inspect.ismethod(value) and value.__self__ is self._child:
-            self.__dict__[name] = value
-        return value
+        """Forward to the child, afresh on every access: a child's method may
+        be replaced after the proxy was made (vLLM's own tests do)."""
+        return getattr(self._child, name)
 
     def _contain(self, hook: str, request: Request, tokens: int = 0) -> None:
         logger.exception(

@@ -150,6 +150,9 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         """
         manager = self.kv_cache_manager
         stock_allocate = manager.allocate_slots
+        # What shadowed the method before us, if anything (put back when the
+        # valve is off for a call).
+        self._valve_base = manager.__dict__.get("allocate_slots")
         self._valve: Callable[..., KVCacheBlocks | None]
 
         def allocate_slots(
@@ -184,8 +187,13 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         config = self.wedge_guard.config
         armed = config.policy.lateral and not (config.only_when_idle and self.running)
         manager = self.kv_cache_manager
+        shadow = manager.__dict__.get("allocate_slots")
+        if shadow is not self._valve and shadow is not self._valve_base:
+            return  # replaced by someone else after us (a test's mock): theirs
         if armed:
             manager.allocate_slots = self._valve
+        elif self._valve_base is not None:
+            manager.allocate_slots = self._valve_base
         else:
             manager.__dict__.pop("allocate_slots", None)
 
