@@ -19,51 +19,20 @@ import pytest
 from vllm_mooncake.guard.connector import WedgeGuardConnector
 from vllm_mooncake.testing.driver import EngineShape, SchedulerDriver
 from vllm_mooncake.testing.leaks import assert_scheduler_empty
+from vllm_mooncake.testing.real_children import (
+    MOONCAKE_PARAMS,
+    NIXL_PARAMS,
+    PROMPT,
+    real_children_config,
+)
 
-PROMPT = 64  # 4 blocks of 16 tokens
-PEER = "prefill-engine-0"
-NIXL_PARAMS: dict[str, Any] = {
-    "do_remote_prefill": True,
-    "do_remote_decode": False,
-    "remote_block_ids": ([1, 2, 3, 4],),
-    "remote_engine_id": PEER,
-    "remote_request_id": "prefill-req-1",
-    "remote_host": "127.0.0.1",
-    "remote_port": 5600,
-    "tp_size": 1,
-    "remote_num_tokens": PROMPT,
-    "transfer_mode": "pull",
-}
-MOONCAKE_PARAMS: dict[str, Any] = {
-    "do_remote_prefill": True,
-    "do_remote_decode": False,
-    "remote_bootstrap_addr": "http://127.0.0.1:8998",
-    "remote_engine_id": PEER,
-    "transfer_id": "xfer-1",
-}
 # Engine-specific values the producer's params carry (differ per build).
 VOLATILE = ("remote_engine_id",)
 
 
 def build(kv_connector: str, role: str) -> SchedulerDriver:
-    children = [
-        {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"},
-        {
-            "kv_connector": "MooncakeConnector",
-            "kv_role": role,
-            "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
-        },
-    ]
-    extra: dict[str, Any] = {"connectors": children}
-    if kv_connector == "WedgeGuardConnector":
-        extra["wedge_guard"] = {"policy": "reserve+lateral", "strict": True}
     return SchedulerDriver.build(
-        EngineShape(),
-        {
-            "kv_connector": kv_connector,
-            "kv_role": role,
-            "kv_connector_extra_config": extra,
-        },
+        EngineShape(), real_children_config(kv_connector, role)
     )
 
 

@@ -44,34 +44,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
 from vllm_mooncake.guard.connector import WedgeGuardConnector
 from vllm_mooncake.testing.driver import EngineShape, SchedulerDriver, StepResult
 from vllm_mooncake.testing.leaks import assert_scheduler_empty
+from vllm_mooncake.testing.real_children import (
+    MOONCAKE_PARAMS,
+    NIXL_PARAMS,
+    PEER,
+    PROMPT,
+    real_children_config,
+)
 
 ROLE = "kv_consumer"  # a decode rank: it pulls prefills from a remote P
 NIXL, MOONCAKE = 0, 1  # child indices, in config order
-PROMPT = 64  # 4 blocks of 16 tokens
-PEER = "prefill-engine-0"
-
-# What a Mooncake-style P/D proxy sends a decode rank.
-MOONCAKE_PARAMS: dict[str, Any] = {
-    "do_remote_prefill": True,
-    "do_remote_decode": False,
-    "remote_bootstrap_addr": "http://127.0.0.1:8998",
-    "remote_engine_id": PEER,
-    "transfer_id": "xfer-1",
-}
-# What a NIXL prefill rank's request_finished returns (cpu-install.md s. 5),
-# forwarded by the proxy to the decode rank.
-NIXL_PARAMS: dict[str, Any] = {
-    "do_remote_prefill": True,
-    "do_remote_decode": False,
-    "remote_block_ids": ([1, 2, 3, 4],),
-    "remote_engine_id": PEER,
-    "remote_request_id": "prefill-req-1",
-    "remote_host": "127.0.0.1",
-    "remote_port": 5600,
-    "tp_size": 1,
-    "remote_num_tokens": PROMPT,
-    "transfer_mode": "pull",
-}
 # Asks for a remote prefill but carries neither child's keys.
 UNROUTABLE_PARAMS: dict[str, Any] = {
     "do_remote_prefill": True,
@@ -80,29 +62,8 @@ UNROUTABLE_PARAMS: dict[str, Any] = {
 }
 
 
-def real_children() -> list[dict[str, Any]]:
-    return [
-        {"kv_connector": "NixlConnector", "kv_role": ROLE, "kv_buffer_device": "cpu"},
-        {
-            "kv_connector": "MooncakeConnector",
-            "kv_role": ROLE,
-            "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
-        },
-    ]
-
-
 def build(kv_connector: str) -> SchedulerDriver:
-    extra: dict[str, Any] = {"connectors": real_children()}
-    if kv_connector == "WedgeGuardConnector":
-        extra["wedge_guard"] = {"policy": "reserve+lateral", "strict": True}
-    d = SchedulerDriver.build(
-        EngineShape(),
-        {
-            "kv_connector": kv_connector,
-            "kv_role": ROLE,
-            "kv_connector_extra_config": extra,
-        },
-    )
+    d = SchedulerDriver.build(EngineShape(), real_children_config(kv_connector, ROLE))
     children = d.scheduler.connector._connectors
     assert isinstance(children[NIXL], NixlConnector)
     assert isinstance(children[MOONCAKE], MooncakeConnector)
