@@ -52,7 +52,7 @@ def test_ports_are_offsets_from_the_base() -> None:
 
 @pytest.mark.parametrize(
     ("shape", "n_prefill", "n_decode"),
-    [("1p1d", 1, 1), ("1p2d", 1, 2), ("2p2d", 2, 2)],
+    [("1p1d", 1, 1), ("1p2d", 1, 2), ("1p3d", 1, 3), ("2p2d", 2, 2)],
 )
 def test_shapes_give_their_rank_counts(
     shape: str, n_prefill: int, n_decode: int
@@ -63,7 +63,14 @@ def test_shapes_give_their_rank_counts(
 
 @pytest.mark.parametrize(
     "bad",
-    [{"shape": "3p1d"}, {"kv_style": "tcp"}, {"base_port": 80}, {"base_port": 65500}],
+    [
+        {"shape": "3p1d"},
+        {"kv_style": "tcp"},
+        {"base_port": 80},
+        {"base_port": 65500},
+        {"connector": "MultiConnector"},
+        {"kv_load_failure_policy": "retry"},
+    ],
 )
 def test_bad_spec_is_refused(bad: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
@@ -272,3 +279,84 @@ def test_scanner_finds_a_processes_listeners_and_tells_loopback() -> None:
     finally:
         for s in socks:
             s.close()
+
+
+@pytest.mark.parametrize("kv_style", layout.KV_STYLES)
+def test_store_mode_puts_the_store_first_next_to_one_p2d_child(kv_style: str) -> None:
+    spec = ClusterSpec(
+        store=True, kv_style=kv_style, kv_load_failure_policy="recompute"
+    )
+    ranks = _by_name(spec)
+    lookup_ports = set()
+    for rank in ranks.values():
+        cfg = layout.kv_transfer_config(spec, rank, cpu=True)
+        assert check_kv_transfer_config(cfg) is None
+        assert cfg["kv_load_failure_policy"] == "recompute"
+        store, p2d = cfg["kv_connector_extra_config"]["connectors"]
+        assert store["kv_connector"] == "MooncakeStoreConnector"
+        assert store["kv_role"] == cfg["kv_role"]
+        want = "MooncakeConnector" if kv_style == "mooncake" else "NixlConnector"
+        assert p2d["kv_connector"] == want
+        lookup_ports.add(store["kv_connector_extra_config"]["lookup_rpc_port"])
+    # each rank's scheduler finds its own worker's lookup socket
+    assert len(lookup_ports) == len(ranks)
+
+
+def test_stock_ranks_run_vllms_multiconnector_over_the_same_children() -> None:
+    spec = ClusterSpec(
+        shape="1p3d",
+        store=True,
+        policy="reserve+lateral",
+        guard_extra={"stall_alarm_s": 2.0},
+        rank_connectors={"decode-0": "stock", "decode-2": "reserve"},
+    )
+    ranks = _by_name(spec)
+    cfgs = {n: layout.kv_transfer_config(spec, r, cpu=True) for n, r in ranks.items()}
+    assert cfgs["decode-0"]["kv_connector"] == "MultiConnector"
+    assert "wedge_guard" not in cfgs["decode-0"]["kv_connector_extra_config"]
+    policies = {
+        n: c["kv_connector_extra_config"]["wedge_guard"]["policy"]
+        for n, c in cfgs.items()
+        if n != "decode-0"
+    }
+    assert policies == {
+        "prefill-0": "reserve+lateral",
+        "decode-1": "reserve+lateral",
+        "decode-2": "reserve",
+    }
+    # the same children on every decode, stock or guarded (only the lookup
+    # socket differs, one per rank)
+    kinds = {
+        n: [
+            (c["kv_connector"], c["kv_role"])
+            for c in cfg["kv_connector_extra_config"]["connectors"]
+        ]
+        for n, cfg in cfgs.items()
+        if n.startswith("decode")
+    }
+    assert len({tuple(k) for k in kinds.values()}) == 1
+    everything_stock = ClusterSpec(connector="stock")
+    for rank in layout.ranks(everything_stock, None):
+        cfg = layout.kv_transfer_config(everything_stock, rank, cpu=True)
+        assert cfg["kv_connector"] == "MultiConnector"
+
+
+def test_store_is_local_and_its_config_names_the_master(tmp_path: Any) -> None:
+    spec = ClusterSpec(store=True, base_port=21000, store_client_ttl_s=300)
+    cfg = layout.store_config(spec, cpu=True)
+    assert cfg["master_server_address"] == "127.0.0.1:21320"
+    assert cfg["metadata_server"] == "http://127.0.0.1:21321/metadata"
+    assert (cfg["mode"], cfg["global_segment_size"]) == ("standalone-store", 0)
+    master = layout.store_master_argv(spec)
+    assert "-rpc_address=127.0.0.1" in master
+    assert "-http_metadata_server_host=127.0.0.1" in master
+    assert "-metrics_host=127.0.0.1" in master
+    assert "-client_ttl=300" in master
+    segment = layout.store_segment_argv(spec, cpu=True)
+    assert "-host=127.0.0.1" in segment
+    assert "-master_server_address=127.0.0.1:21320" in segment
+    rank = _by_name(spec)["decode-0"]
+    path = tmp_path / "store.json"
+    env = layout.server_env(rank, True, tmp_path, spec.ports, path)
+    assert env["MOONCAKE_CONFIG_PATH"] == str(path)
+    assert "MOONCAKE_CONFIG_PATH" not in layout.server_env(rank, True, tmp_path)

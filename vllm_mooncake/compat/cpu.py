@@ -63,6 +63,31 @@ Removal: when an idle rank shows no busy NIXL thread in ``top -H`` and the
 worker's main thread keeps its ``VLLM_CPU_OMP_THREADS_BIND`` affinity after
 start-up (``grep Cpus_allowed_list /proc/<worker>/task/<worker>/status``),
 delete :func:`patch_nixl_worker`.
+
+3. MooncakeStoreConnector's save fence
+--------------------------------------
+Why: ``MooncakeStoreWorker.wait_for_save`` (vLLM 0.32,
+``v1/mooncake/store/worker.py``) records a ``torch.cuda.Event()`` after the
+forward pass, and the store's send thread calls ``.synchronize()`` on it
+before it reads the blocks it saves. CPU torch has no CUDA events
+("Tried to instantiate dummy base class Event"), so the first save on a CPU
+rank kills its worker. Loads work as they are. On the CPU platform the
+forward pass is synchronous: when ``wait_for_save`` runs, the KV it saves is
+already written, so an event that is complete when recorded is exact.
+
+How: when the store worker module is imported (an import hook, as for patch
+2), give that module -- and only it -- a ``torch`` whose ``cuda.Event`` is
+:class:`CompletedEvent` (``record`` and ``synchronize`` do nothing, ``query``
+is True); every other attribute is the real torch.
+
+Upstream: the store worker could take its event from
+``current_platform`` (or skip the fence when the platform is not CUDA-like),
+as other connectors choose their streams per platform; no issue filed yet.
+
+Removal: when a CPU rank with a MooncakeStoreConnector producer saves a
+prompt without this patch (``tests/e2e`` store mode: the decode's store
+hit shows up as ``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}``),
+delete :func:`patch_store_save_fence`.
 """
 
 from __future__ import annotations
@@ -75,7 +100,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 _MARK = "_vllm_mooncake_cpu_patch"
@@ -207,21 +232,83 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 def patch_nixl_worker() -> bool:
     """Apply patch 2 now or when vLLM's NIXL worker module is imported (no
     accelerator only); return whether it is (or will be) active."""
-    module = sys.modules.get(NIXL_WORKER_MODULE)
+    return _patch_on_import(NIXL_WORKER_MODULE, wrap_nixl_worker_init)
+
+
+def _patch_on_import(name: str, wrap: Callable[[ModuleType], bool]) -> bool:
+    """``wrap`` module ``name`` now if imported, else right after its import
+    (no accelerator only); return whether it is (or will be) wrapped."""
+    module = sys.modules.get(name)
     if module is not None:
-        return not has_accelerator() and wrap_nixl_worker_init(module)
-    if any(
-        isinstance(f, _AfterImport) and f.name == NIXL_WORKER_MODULE
-        for f in sys.meta_path
-    ):
+        return not has_accelerator() and wrap(module)
+    if any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
         return True
     if has_accelerator():
         return False
-    sys.meta_path.insert(0, _AfterImport(NIXL_WORKER_MODULE, wrap_nixl_worker_init))
+    sys.meta_path.insert(0, _AfterImport(name, wrap))
     return True
+
+
+STORE_WORKER_MODULE = (
+    "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker"
+)
+
+
+class CompletedEvent:
+    """A device event for a synchronous device: complete once recorded."""
+
+    def record(self, stream: object = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream: object = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _TorchWithCompletedEvents(ModuleType):
+    """The real ``torch`` for one module, but ``cuda.Event`` is
+    :class:`CompletedEvent`."""
+
+    def __init__(self, torch_module: ModuleType) -> None:
+        super().__init__(torch_module.__name__, torch_module.__doc__)
+        self._real = torch_module
+        self.cuda = SimpleNamespace(Event=CompletedEvent, real=torch_module.cuda)
+        setattr(self, _MARK, True)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def wrap_store_worker_torch(module: ModuleType) -> bool:
+    """Give the store worker ``module`` CPU events; idempotent."""
+    current = getattr(module, "torch", None)
+    if current is None:
+        return False
+    if getattr(current, _MARK, False):
+        return True
+    module.torch = _TorchWithCompletedEvents(current)  # type: ignore[attr-defined]
+    return True
+
+
+def unwrap_store_worker_torch(module: ModuleType) -> None:
+    current = getattr(module, "torch", None)
+    if current is not None and getattr(current, _MARK, False):
+        module.torch = current._real  # type: ignore[attr-defined]
+
+
+def patch_store_save_fence() -> bool:
+    """Apply patch 3 now or when the store worker module is imported (no
+    accelerator only); return whether it is (or will be) active."""
+    return _patch_on_import(STORE_WORKER_MODULE, wrap_store_worker_torch)
 
 
 def apply() -> None:
     """Every CPU patch the plugin needs; each is a no-op with an accelerator."""
     patch_current_device_index()
     patch_nixl_worker()
+    patch_store_save_fence()

@@ -16,7 +16,11 @@ import functools
 import inspect
 from dataclasses import dataclass
 
-from vllm_mooncake.compat.cpu import NIXL_WORKER_CLASS, NIXL_WORKER_MODULE
+from vllm_mooncake.compat.cpu import (
+    NIXL_WORKER_CLASS,
+    NIXL_WORKER_MODULE,
+    STORE_WORKER_MODULE,
+)
 
 
 def _range(first: int, last: int) -> tuple[str, ...]:
@@ -60,6 +64,8 @@ KV_MANAGER = "vllm.v1.core.kv_cache_manager.KVCacheManager"
 VLLM_CONFIG = "vllm.config.vllm.VllmConfig"
 FACTORY = "vllm.distributed.kv_transfer.kv_connector.factory.KVConnectorFactory"
 NIXL_WORKER = f"{NIXL_WORKER_MODULE}.{NIXL_WORKER_CLASS}"
+STORE_WORKER = f"{STORE_WORKER_MODULE}.MooncakeStoreWorker"
+STORES = _range(21, 34)  # MooncakeStoreConnector (v1/mooncake/store/)
 
 
 def _attr(owner: str, name: str, why: str, series: tuple[str, ...] = ALL) -> Internal:
@@ -249,6 +255,14 @@ INTERNALS: tuple[Internal, ...] = (
         # Before 0.24 the worker class lives elsewhere; the CPU patch's import
         # hook then never fires (NIXL on a CPU host runs without it).
         FREES_BY_METHOD,
+    ),
+    _method(
+        STORE_WORKER,
+        "wait_for_save",
+        "on CPU hosts its module's torch.cuda.Event is a completed event "
+        "(compat/cpu.py)",
+        ("metadata",),
+        STORES,
     ),
 )
 

@@ -14,6 +14,8 @@ decode j (HTTP)            base + 200 + j
 Mooncake bootstrap for i   base + 300 + i
 NIXL side channel, P i     base + 400 + i
 NIXL side channel, D j     base + 450 + j
+Mooncake store master      base + 320 (RPC), + 321 (metadata), + 322 (metrics)
+Mooncake store segment     base + 323 (its client service)
 router Prometheus          base + 500
 reference server (tests)   base + 550
 Mooncake transfer engine   base + 600 .. base + 699
@@ -32,6 +34,23 @@ Every rank runs ``WedgeGuardConnector`` over [MooncakeConnector, NixlConnector]
 the router's choice (``kv_style``): ``mooncake`` requests carry
 ``transfer_id``/``remote_bootstrap_addr`` and the guard gives them to the
 Mooncake child; ``nixl`` requests carry ``remote_block_ids`` and go to NIXL.
+
+Store mode (``store=True``) is the deployment the guard exists for: every
+rank's children are [MooncakeStoreConnector, the P->D child of ``kv_style``].
+Prefill ranks save each prompt's full blocks into a Mooncake store; a decode
+rank that gets a prompt sharing a saved prefix loads that prefix from the
+store, asynchronously and partially (the rest it computes), next to whole
+prompts arriving over the P->D child. The store is ``mooncake_master`` (with
+its HTTP metadata server) and one segment owner, ``mooncake_client``, that
+holds the store's memory; the ranks run in Mooncake's ``standalone-store``
+mode and contribute no memory themselves, so stopping the segment owner
+loses every stored block at once (the end-to-end tests use that to make
+store loads fail honestly).
+
+``connector`` ("guard" or "stock") picks every rank's connector;
+``rank_connectors`` overrides it per rank: ``"stock"`` (vLLM's own
+MultiConnector over the same children, vLLM's own scheduler) or a guard
+policy name (the guard with that policy).
 """
 
 from __future__ import annotations
@@ -47,8 +66,24 @@ from vllm_mooncake import CONNECTOR_NAME
 
 HOST = "127.0.0.1"
 DEFAULT_BASE_PORT = 18000
-SHAPES: dict[str, tuple[int, int]] = {"1p1d": (1, 1), "1p2d": (1, 2), "2p2d": (2, 2)}
+SHAPES: dict[str, tuple[int, int]] = {
+    "1p1d": (1, 1),
+    "1p2d": (1, 2),
+    "1p3d": (1, 3),
+    "2p2d": (2, 2),
+}
 KV_STYLES = ("mooncake", "nixl")
+CONNECTORS = ("guard", "stock")
+STOCK = "stock"
+STORE_CONNECTOR = "MooncakeStoreConnector"
+LOAD_FAILURE_POLICIES = ("", "fail", "recompute")  # "": vLLM's default
+# The store's memory (held by its segment owner) and each rank's staging
+# buffer: small, for the tiny model on a small machine.
+STORE_SEGMENT_SIZE = "512MB"
+STORE_LOCAL_BUFFER_SIZE = "64MB"
+# Seconds mooncake_master keeps a silent client's segments (Mooncake's
+# default is 10).
+STORE_CLIENT_TTL_S = 10
 PORT_SPAN = 1000  # ports above the base a cluster may use (see the table)
 SERVED_MODEL_NAME = "tiny"
 
@@ -96,6 +131,24 @@ class Ports:
         return self.base + 450 + j
 
     @property
+    def store_master(self) -> int:
+        return self.base + 320
+
+    @property
+    def store_metadata(self) -> int:
+        """mooncake_master's built-in HTTP metadata server."""
+        return self.base + 321
+
+    @property
+    def store_master_metrics(self) -> int:
+        return self.base + 322
+
+    @property
+    def store_segment(self) -> int:
+        """The store's segment owner (``mooncake_client``) service port."""
+        return self.base + 323
+
+    @property
     def router_metrics(self) -> int:
         return self.base + 500
 
@@ -136,12 +189,27 @@ class ClusterSpec:
     mooncake_protocol: str = ""  # empty: tcp on CPU, rdma otherwise
     server_args: tuple[str, ...] = ()
     python: str = sys.executable
+    # a Mooncake store child on every rank, and the store itself
+    store: bool = False
+    store_client_ttl_s: int = STORE_CLIENT_TTL_S
+    connector: str = "guard"  # every rank's: "guard" or "stock"
+    # per rank name: "stock" or a guard policy, overriding ``connector``
+    rank_connectors: Mapping[str, str] = field(default_factory=dict)
+    # kv_transfer_config.kv_load_failure_policy ("": vLLM's default)
+    kv_load_failure_policy: str = ""
 
     def __post_init__(self) -> None:
         if self.shape not in SHAPES:
             raise ValueError(f"shape {self.shape!r}: use one of {sorted(SHAPES)}")
         if self.kv_style not in KV_STYLES:
             raise ValueError(f"kv_style {self.kv_style!r}: use one of {KV_STYLES}")
+        if self.connector not in CONNECTORS:
+            raise ValueError(f"connector {self.connector!r}: use one of {CONNECTORS}")
+        if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ValueError(
+                f"kv_load_failure_policy {self.kv_load_failure_policy!r}: use "
+                f"one of {LOAD_FAILURE_POLICIES[1:]} or leave it empty"
+            )
         if not 1024 <= self.base_port <= 65535 - PORT_SPAN:
             raise ValueError(
                 f"base_port {self.base_port}: use 1024..{65535 - PORT_SPAN}"
@@ -250,36 +318,114 @@ def mooncake_protocol(spec: ClusterSpec, cpu: bool) -> str:
     return spec.mooncake_protocol or ("tcp" if cpu else "rdma")
 
 
+def rank_connector(spec: ClusterSpec, rank: Rank) -> str:
+    """``"stock"``, or the guard policy ``rank`` runs with."""
+    chosen = spec.rank_connectors.get(rank.name, spec.connector)
+    if chosen == STOCK:
+        return STOCK
+    return spec.policy if chosen == "guard" else chosen
+
+
 def kv_transfer_config(spec: ClusterSpec, rank: Rank, cpu: bool) -> dict[str, Any]:
-    """The guard connector over [MooncakeConnector, NixlConnector] for ``rank``.
+    """The guard connector (or stock MultiConnector) over ``rank``'s children.
 
     Prefill ranks name their own bootstrap server (``bootstrap_server_address``)
     so vLLM does not start one on 0.0.0.0. ``kv_producer``/``kv_consumer``
     rather than ``kv_both``: a Mooncake decode rank with ``kv_both`` would
     also register on the bootstrap server and be refused.
     """
+    children = _children(spec, rank, cpu)
+    chosen = rank_connector(spec, rank)
+    config: dict[str, Any]
+    if chosen == STOCK:
+        config = {
+            "kv_connector": "MultiConnector",
+            "kv_role": rank.kv_role,
+            "kv_connector_extra_config": {"connectors": children},
+        }
+    else:
+        guard: dict[str, Any] = {"policy": chosen, **spec.guard_extra}
+        config = {
+            "kv_connector": CONNECTOR_NAME,
+            "kv_role": rank.kv_role,
+            "kv_connector_extra_config": {"connectors": children, "wedge_guard": guard},
+        }
+    if spec.kv_load_failure_policy:
+        config["kv_load_failure_policy"] = spec.kv_load_failure_policy
+    return config
+
+
+def _children(spec: ClusterSpec, rank: Rank, cpu: bool) -> list[dict[str, Any]]:
+    """[Mooncake, NIXL]; in store mode [store, the ``kv_style`` P->D child]."""
     mooncake_extra: dict[str, Any] = {"mooncake_protocol": mooncake_protocol(spec, cpu)}
     if rank.bootstrap_port is not None:
         mooncake_extra["bootstrap_server_address"] = f"{HOST}:{rank.bootstrap_port}"
+    mooncake = {
+        "kv_connector": "MooncakeConnector",
+        "kv_role": rank.kv_role,
+        "kv_connector_extra_config": mooncake_extra,
+    }
     nixl: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": rank.kv_role}
     if cpu:
         nixl["kv_buffer_device"] = "cpu"  # the only value vLLM's CPU platform allows
-    guard: dict[str, Any] = {"policy": spec.policy, **spec.guard_extra}
-    return {
-        "kv_connector": CONNECTOR_NAME,
+    if not spec.store:
+        return [mooncake, nixl]
+    store = {
+        "kv_connector": STORE_CONNECTOR,
         "kv_role": rank.kv_role,
-        "kv_connector_extra_config": {
-            "connectors": [
-                {
-                    "kv_connector": "MooncakeConnector",
-                    "kv_role": rank.kv_role,
-                    "kv_connector_extra_config": mooncake_extra,
-                },
-                nixl,
-            ],
-            "wedge_guard": guard,
-        },
+        # The scheduler asks the worker for store hits over an IPC socket
+        # named after this port; ranks on one host need distinct ones.
+        "kv_connector_extra_config": {"lookup_rpc_port": rank.port},
     }
+    return [store, mooncake if spec.kv_style == "mooncake" else nixl]
+
+
+def store_config(spec: ClusterSpec, cpu: bool) -> dict[str, Any]:
+    """The ``MOONCAKE_CONFIG_PATH`` JSON every rank reads in store mode.
+
+    ``standalone-store``: the ranks contribute no memory; the segment owner
+    (:func:`store_segment_argv`) holds it all.
+    """
+    ports = spec.ports
+    return {
+        "metadata_server": f"http://{HOST}:{ports.store_metadata}/metadata",
+        "master_server_address": f"{HOST}:{ports.store_master}",
+        "protocol": mooncake_protocol(spec, cpu),
+        "device_name": "",
+        "mode": "standalone-store",
+        "global_segment_size": 0,
+        "local_buffer_size": STORE_LOCAL_BUFFER_SIZE,
+    }
+
+
+def store_master_argv(spec: ClusterSpec) -> list[str]:
+    """``mooncake_master`` on :data:`HOST` with its HTTP metadata server."""
+    ports = spec.ports
+    return [
+        str(Path(spec.python).with_name("mooncake_master")),
+        f"-rpc_address={HOST}",
+        f"-rpc_port={ports.store_master}",
+        "-enable_http_metadata_server=true",
+        f"-http_metadata_server_host={HOST}",
+        f"-http_metadata_server_port={ports.store_metadata}",
+        f"-metrics_host={HOST}",
+        f"-metrics_port={ports.store_master_metrics}",
+        f"-client_ttl={spec.store_client_ttl_s}",
+    ]
+
+
+def store_segment_argv(spec: ClusterSpec, cpu: bool) -> list[str]:
+    """``mooncake_client``: the process whose memory holds the stored KV."""
+    ports = spec.ports
+    return [
+        str(Path(spec.python).with_name("mooncake_client")),
+        f"-host={HOST}",
+        f"-port={ports.store_segment}",
+        f"-master_server_address={HOST}:{ports.store_master}",
+        f"-metadata_server=http://{HOST}:{ports.store_metadata}/metadata",
+        f"-protocol={mooncake_protocol(spec, cpu)}",
+        f"-global_segment_size={STORE_SEGMENT_SIZE}",
+    ]
 
 
 def server_argv(spec: ClusterSpec, rank: Rank, model: str, cpu: bool) -> list[str]:
@@ -336,15 +482,22 @@ def _api_server_argv(spec: ClusterSpec, model: str, port: int, cpu: bool) -> lis
 
 
 def server_env(
-    rank: Rank, cpu: bool, cache: Path, ports: Ports | None = None
+    rank: Rank,
+    cpu: bool,
+    cache: Path,
+    ports: Ports | None = None,
+    store_config_path: Path | None = None,
 ) -> dict[str, str]:
     """Environment additions for ``rank`` (on top of the caller's).
 
     With ``ports``, the rank's Mooncake transfer engine and UCX pick their
     listening ports from the cluster's ranges (:attr:`Ports.mooncake_rpc`,
     :attr:`Ports.ucx_tcp`) instead of Mooncake's 15000-17000 and any port.
+    ``store_config_path`` is the store mode's :func:`store_config` file.
     """
     env = reference_env(cpu, cache)
+    if store_config_path is not None:
+        env["MOONCAKE_CONFIG_PATH"] = str(store_config_path)
     env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(rank.nixl_port)
     if ports is not None:
         first, last = ports.mooncake_rpc

@@ -8,6 +8,8 @@
 
 ``up`` starts, in order, and waits for each to be healthy:
 
+0. in store mode (``--store``), the Mooncake store: ``mooncake_master`` and
+   its segment owner ``mooncake_client`` (:func:`start_store`);
 1. one Mooncake bootstrap server per prefill rank, on 127.0.0.1
    (:mod:`~vllm_mooncake.tools.cluster.mooncake_bootstrap`);
 2. the prefill and decode vLLM servers, in parallel, each with
@@ -42,7 +44,13 @@ from typing import Any
 from vllm_mooncake.offline import cache_dir, prepare_offline_env
 from vllm_mooncake.tools.cluster import layout
 from vllm_mooncake.tools.cluster.layout import HOST, ClusterSpec, Rank
-from vllm_mooncake.tools.cluster.procs import Run, StartupError, port_in_use
+from vllm_mooncake.tools.cluster.procs import (
+    Proc,
+    Run,
+    StartupError,
+    port_in_use,
+    tail,
+)
 
 DEFAULT_RUN = "local"
 BASE_PORT_ENV = "VLLM_MOONCAKE_BASE_PORT"
@@ -106,9 +114,22 @@ def host_is_cpu(spec: ClusterSpec) -> bool:
     return not has_accelerator()
 
 
+STORE_CONFIG_FILE = "mooncake_store.json"
+STORE_MASTER = "store-master"
+STORE_SEGMENT = "store-segment"
+STORE_METRIC_CAPACITY = "master_total_capacity_bytes"
+
+
 def all_ports(spec: ClusterSpec) -> list[int]:
     ports = spec.ports
     out = [ports.router, ports.router_metrics]
+    if spec.store:
+        out += [
+            ports.store_master,
+            ports.store_metadata,
+            ports.store_master_metrics,
+            ports.store_segment,
+        ]
     for i in range(spec.num_prefill):
         out += [ports.prefill(i), ports.bootstrap(i), ports.nixl_prefill(i)]
     for j in range(spec.num_decode):
@@ -165,6 +186,11 @@ def up(
         state.save()
 
         say(f"[up] run dir {rd}; model {model}; {'CPU' if cpu else 'GPU'} host")
+        store_path = None
+        if spec.store:
+            store_path = start_store(state, spec, cpu, env)
+            timings["store"] = time.monotonic() - t0 - timings["model"]
+            say(f"[up] Mooncake store ready ({store_path})")
         boots = [
             state.start(
                 f"bootstrap-{r.index}",
@@ -180,7 +206,10 @@ def up(
 
         servers = []
         for r in rank_list:
-            renv = {**env, **layout.server_env(r, cpu, cache, spec.ports)}
+            renv = {
+                **env,
+                **layout.server_env(r, cpu, cache, spec.ports, store_path),
+            }
             pin = f" on CPUs {r.cpus}" if r.cpus else ""
             say(f"[up] starting {r.name} at {r.url}{pin}")
             servers.append(
@@ -212,6 +241,49 @@ def up(
     state.info["timings"] = timings
     state.save()
     return Cluster(spec, tuple(rank_list), rd, model, cpu, timings)
+
+
+def start_store(
+    state: Run, spec: ClusterSpec, cpu: bool, env: dict[str, str], timeout: float = 60
+) -> Path:
+    """Start ``mooncake_master`` and its segment owner; return the config path.
+
+    Healthy means the master answers ``/health`` and reports the segment
+    owner's memory mounted (``master_total_capacity_bytes`` > 0).
+    """
+    import json
+
+    ports = spec.ports
+    path = state.dir / STORE_CONFIG_FILE
+    path.write_text(json.dumps(layout.store_config(spec, cpu), indent=2))
+    metrics = f"http://{HOST}:{ports.store_master_metrics}"
+    master = state.start(
+        STORE_MASTER, layout.store_master_argv(spec), env, f"{metrics}/health"
+    )
+    state.wait_healthy([master], timeout=timeout)
+    start_store_segment(state, spec, cpu, env, timeout)
+    return path
+
+
+def start_store_segment(
+    state: Run, spec: ClusterSpec, cpu: bool, env: dict[str, str], timeout: float = 60
+) -> Proc:
+    """Start the store's segment owner and wait until its memory is mounted."""
+    from vllm_mooncake.tools.cluster.client import get_text, metric_total, parse_metrics
+
+    metrics = f"http://{HOST}:{spec.ports.store_master_metrics}/metrics"
+    seg = state.start(STORE_SEGMENT, layout.store_segment_argv(spec, cpu), env, metrics)
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = parse_metrics(get_text(metrics))
+        if metric_total(samples, STORE_METRIC_CAPACITY) > 0:
+            return seg
+        if not seg.leader_alive() or time.monotonic() > deadline:
+            raise StartupError(
+                f"{STORE_SEGMENT} mounted no memory on the store master; "
+                f"log {seg.log}:\n{tail(seg.log)}"
+            )
+        time.sleep(0.5)
 
 
 @contextlib.contextmanager
@@ -297,6 +369,8 @@ def _spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     if args.stall_alarm_steps is not None:
         guard_extra["stall_alarm_steps"] = args.stall_alarm_steps
     return ClusterSpec(
+        store=args.store,
+        connector=args.connector,
         shape=args.shape,
         base_port=args.base_port,
         model=args.model or "",
@@ -328,6 +402,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     u.add_argument("--model", default=os.environ.get("MODEL", ""))
     u.add_argument("--kv-style", default="mooncake", choices=layout.KV_STYLES)
+    u.add_argument(
+        "--store",
+        action="store_true",
+        help="a Mooncake store child next to the P->D child (mooncake_master "
+        "and a segment owner on 127.0.0.1)",
+    )
+    u.add_argument(
+        "--connector",
+        default="guard",
+        choices=layout.CONNECTORS,
+        help="stock: vLLM's MultiConnector over the same children, no guard",
+    )
     u.add_argument("--policy", default="reserve+lateral")
     u.add_argument("--stall-alarm-steps", type=int, default=None)
     u.add_argument("--decode-blocks", type=int, default=None)
