@@ -49,8 +49,12 @@ up:
 down:
 	deploy/local/down.sh
 
+# Two sessions, one cluster at a time: the KV-style 1P2Ds, then the store-mode
+# 1P3D that forms W1 and W2 on real servers (tests/e2e/test_store_wedges.py).
+STORE_E2E := tests/e2e/test_store_wedges.py
 e2e: setup-e2e
-	$(PY) -m pytest -m e2e -v -p no:cacheprovider tests/e2e
+	$(PY) -m pytest -m e2e -v -p no:cacheprovider tests/e2e --ignore=$(STORE_E2E)
+	$(PY) -m pytest -m e2e -v -p no:cacheprovider $(STORE_E2E)
 
 clean:
 	rm -rf .venv .cache .pytest_cache .mypy_cache

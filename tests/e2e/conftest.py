@@ -25,13 +25,13 @@ from vllm_mooncake.tools.cluster import layout
 from vllm_mooncake.tools.cluster.client import complete
 from vllm_mooncake.tools.cluster.local import (
     Cluster,
-    all_ports,
     down,
     reference_server,
     run_dir,
     up,
 )
-from vllm_mooncake.tools.cluster.procs import Run, port_in_use
+from vllm_mooncake.tools.cluster.local import free_base_port as local_free_base_port
+from vllm_mooncake.tools.cluster.procs import Run
 
 RUN = "e2e"
 # A decode pool of 5 blocks of 128 tokens (one is vLLM's null block): room
@@ -86,17 +86,12 @@ def pytest_collection_modifyitems(
             item.add_marker(skip)
 
 
-def free_base_port() -> int:
+def free_base_port(spec: layout.ClusterSpec | None = None) -> int:
     """``$VLLM_MOONCAKE_E2E_BASE_PORT``, else the first base whose ports are
     all free (another cluster may hold the default ones)."""
     if os.environ.get(BASE_PORT_ENV):
         return int(os.environ[BASE_PORT_ENV])
-    for base in range(18600, 30000, 1000):
-        spec = layout.ClusterSpec(base_port=base)
-        ports = [*all_ports(spec), spec.ports.reference]
-        if not any(port_in_use(p) for p in ports):
-            return base
-    raise RuntimeError("no free port range for the e2e cluster")
+    return local_free_base_port(spec or layout.ClusterSpec())
 
 
 @pytest.fixture(scope="session")

@@ -137,6 +137,18 @@ def all_ports(spec: ClusterSpec) -> list[int]:
     return out
 
 
+def free_base_port(spec: ClusterSpec, first: int = 18600, last: int = 30000) -> int:
+    """The first base port from ``first`` (in steps of 1000) where every port
+    of ``spec``'s cluster and its reference server is free."""
+    from dataclasses import replace
+
+    for base in range(first, last, 1000):
+        moved = replace(spec, base_port=base)
+        if not any(port_in_use(p) for p in [*all_ports(moved), moved.ports.reference]):
+            return base
+    raise StartupError(f"no free port range for a cluster in {first}..{last}")
+
+
 def base_env() -> dict[str, str]:
     """The caller's environment, offline, minus our own ``VLLM_MOONCAKE_*``
     settings (vLLM warns about every unknown ``VLLM_`` variable)."""
@@ -284,6 +296,13 @@ def start_store_segment(
                 f"log {seg.log}:\n{tail(seg.log)}"
             )
         time.sleep(0.5)
+
+
+def stop_store_segment(cluster: Cluster, timeout: float = 30.0) -> list[str]:
+    """Stop the store's segment owner: every block the store held is lost,
+    while mooncake_master still lists their keys until its ``client_ttl``
+    runs out (so store lookups still hit, and the loads fail)."""
+    return Run(cluster.run_dir).stop_one(STORE_SEGMENT, timeout)
 
 
 @contextlib.contextmanager

@@ -200,6 +200,24 @@ class Run:
         return time.monotonic() - t0
 
     # ---- stop -----------------------------------------------------------------
+    def stop_one(self, name: str, timeout: float = 30.0) -> list[str]:
+        """Stop the recorded process ``name`` (SIGTERM, then SIGKILL); it
+        stays recorded, so :meth:`stop` still reports it."""
+        proc = next((p for p in self.procs if p.name == name), None)
+        if proc is None:
+            raise KeyError(f"no process {name!r} recorded in {self.state_path}")
+        members = proc.members()
+        for pid in members:
+            _signal(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and proc.members():
+            time.sleep(0.2)
+        report = [f"{name}: SIGTERM to {len(members)} process(es)"]
+        for pid in proc.members():
+            _signal(pid, signal.SIGKILL)
+            report.append(f"{name}: SIGKILL to {pid}")
+        return report
+
     def stop(self, timeout: float = 30.0) -> list[str]:
         """SIGTERM every process of every recorded session, SIGKILL stragglers.
 

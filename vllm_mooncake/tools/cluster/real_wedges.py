@@ -1,0 +1,419 @@
+"""Forming the wedges on the real vLLM servers of a store-mode cluster.
+
+The scheduler-level catalogue (:mod:`vllm_mooncake.testing.wedges`) builds
+each wedge block by block on vLLM's scheduler with a scripted connector.
+Here the same wedges form on real servers from nothing but HTTP requests,
+real Mooncake store loads and real P->D transfers, in a cluster started by
+:func:`vllm_mooncake.tools.cluster.local.up` with ``store=True``.
+
+W1 (priority scheduling without the full-prompt admission check) on one
+decode server whose pool is small (:data:`W1_DECODE_BLOCKS` blocks of 128
+tokens):
+
+1. the store learns X's prefix: the prefill server computes it once (a plain
+   request) and saves its full blocks (:func:`seed_store`);
+2. Y (priority 1, less urgent) arrives at the decode as a P->D request
+   (Mooncake-style ``transfer_id``); the decode allocates Y's whole prompt
+   and waits for the prefill to push it -- which it cannot do yet, because
+   Y's prefill leg is held back;
+3. X (priority 0) arrives at the decode with a store hit of part of its
+   prompt. Without the full-prompt check only the hit's blocks are needed to
+   admit it; its store load runs and completes, and X then needs the rest of
+   its prompt's blocks, which are not free. X waits, holding its blocks;
+4. Y's prefill leg is sent; the prefill pushes Y's KV and Y's receive
+   completes.
+
+Now both hold blocks and neither runs. vLLM's admission loop takes X first
+(priority), X fails to allocate, the loop breaks, and Y -- which needs no
+block to run -- is never reached. Stock stays like this: nothing generated,
+``/health`` 200, until the clients give up. The guard preempts Y
+laterally (Y recomputes later), X runs, then Y.
+
+:func:`form_w1` drives one decode through this and reports what the decode
+did (:class:`WedgeRun`); the end-to-end tests and ``python -m
+vllm_mooncake.tools.cluster.real_wedges`` judge it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_mooncake.tools.cluster.client import (
+    Completion,
+    Sample,
+    complete,
+    get_text,
+    metric_total,
+    scrape,
+)
+from vllm_mooncake.tools.cluster.procs import http_ok
+
+# --num-gpu-blocks-override for the decodes that form W1: 5 usable blocks of
+# 128 tokens (vLLM keeps one as its null block).
+W1_DECODE_BLOCKS = 6
+# What every W1 decode server runs with besides the cluster defaults.
+W1_SERVER_ARGS = ("--scheduling-policy", "priority", "--no-scheduler-reserve-full-isl")
+MAX_TOKENS = 16
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+GENERATED = "vllm:generation_tokens_total"
+FETCH_STAGE = "vllm:num_requests_kv_fetch_by_stage"
+STORE_KEYS = "master_key_count"
+
+
+def token_prompt(n: int, seed: int) -> list[int]:
+    """A deterministic prompt of exactly ``n`` token ids, BOS first."""
+    return [1] + [3 + (seed * 131 + i * 37) % 420 for i in range(n - 1)]
+
+
+@dataclass(frozen=True)
+class W1Prompts:
+    """X: 480 tokens (4 blocks) whose first 300 the store knows (2 full
+    blocks saved); Y: 300 tokens (3 blocks) over P->D. With 5 usable blocks:
+    Y takes 3, X's hit 2, and X's remaining 2 never fit."""
+
+    urgent: list[int]  # X
+    holder: list[int]  # Y
+    seed: list[int]  # X's prefix, computed by the prefill and saved
+
+    @classmethod
+    def make(cls, seed: int) -> W1Prompts:
+        urgent = token_prompt(480, 1000 + seed)
+        return cls(urgent, token_prompt(300, 2000 + seed), urgent[:300])
+
+
+@dataclass(frozen=True)
+class W2Prompts:
+    """A: 480 tokens whose first 300 the store knew before it lost them; B:
+    300 tokens over P->D."""
+
+    failing: list[int]  # A
+    holder: list[int]  # B
+    seed: list[int]  # A's prefix, saved before the store loses it
+
+    @classmethod
+    def make(cls, seed: int) -> W2Prompts:
+        failing = token_prompt(480, 3000 + seed)
+        return cls(failing, token_prompt(300, 4000 + seed), failing[:300])
+
+
+class Background:
+    """One completion request in a thread; ``result`` or ``error`` when done."""
+
+    def __init__(self, call: Callable[[], Completion]) -> None:
+        self.result: Completion | None = None
+        self.error: BaseException | None = None
+        self.finished_at: float | None = None
+        self._thread = threading.Thread(target=self._run, args=(call,), daemon=True)
+        self._thread.start()
+
+    def _run(self, call: Callable[[], Completion]) -> None:
+        try:
+            self.result = call()
+        except BaseException as exc:  # reported, not raised, in this thread
+            self.error = exc
+        self.finished_at = time.monotonic()
+
+    def join(self, timeout: float) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+
+def mooncake_legs(bootstrap_url: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``kv_transfer_params`` of a Mooncake-style PD request's two legs,
+    as vllm-router sends them: (prefill leg, decode leg), one transfer id."""
+    import json
+
+    engines = json.loads(get_text(f"{bootstrap_url}/query"))
+    engine_id = engines["0"]["engine_id"]
+    transfer_id = f"xfer-{uuid.uuid4()}"
+    prefill = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "transfer_id": transfer_id,
+    }
+    decode = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_bootstrap_addr": bootstrap_url,
+        "remote_engine_id": engine_id,
+        "transfer_id": transfer_id,
+    }
+    return prefill, decode
+
+
+def wait_for(
+    what: str, check: Callable[[], bool], timeout: float, poll: float = 0.2
+) -> float:
+    """Poll ``check`` until true; return the seconds taken, raise on timeout."""
+    t0 = time.monotonic()
+    while not check():
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"not reached in {timeout:.0f} s: {what}")
+        time.sleep(poll)
+    return time.monotonic() - t0
+
+
+def seed_store(prefill_url: str, prompt: list[int], store_metrics_url: str) -> None:
+    """Have the prefill compute ``prompt`` and wait until the store holds more
+    keys than before (its full blocks, saved asynchronously)."""
+    before = metric_total(scrape_url(store_metrics_url), STORE_KEYS)
+    complete(prefill_url, prompt, 1)
+    wait_for(
+        "the prefill's store save",
+        lambda: metric_total(scrape_url(store_metrics_url), STORE_KEYS) > before,
+        timeout=30,
+    )
+
+
+def scrape_url(url: str) -> list[Sample]:
+    from vllm_mooncake.tools.cluster.client import parse_metrics
+
+    return parse_metrics(get_text(url))
+
+
+@dataclass
+class DecodeState:
+    """One scrape of a decode server's scheduler gauges and token counter."""
+
+    running: float
+    waiting: float
+    completed_waiting: float
+    generated: float
+    healthy: bool
+    samples: list[Sample] = field(repr=False)
+
+    @classmethod
+    def of(cls, url: str) -> DecodeState:
+        s = scrape(url)
+        return cls(
+            running=metric_total(s, RUNNING),
+            waiting=metric_total(s, WAITING),
+            completed_waiting=metric_total(s, FETCH_STAGE, stage="completed_waiting"),
+            generated=metric_total(s, GENERATED),
+            healthy=http_ok(f"{url}/health"),
+            samples=s,
+        )
+
+
+@dataclass
+class WedgeRun:
+    """What one decode did with a wedge's requests."""
+
+    decode_url: str
+    urgent: Background  # X (W1) or A (W2)
+    holder: Background  # Y (W1) or B (W2): waits on a P->D receive
+    urgent_prompt: list[int]
+    holder_prompt: list[int]
+    prefill_leg: Background
+    formed: DecodeState  # right after the last load completed
+    settled: DecodeState  # after ``hold_s`` (or once both finished)
+    seconds: float  # from the last load's completion to ``settled``
+    before: list[Sample] = field(repr=False)
+
+    @property
+    def finished(self) -> bool:
+        return all(b.done and b.result is not None for b in (self.urgent, self.holder))
+
+    def delta(self, name: str, **labels: str) -> float:
+        return metric_total(self.settled.samples, name, **labels) - metric_total(
+            self.before, name, **labels
+        )
+
+
+def form_w1(
+    prefill_url: str,
+    decode_url: str,
+    bootstrap_url: str,
+    store_metrics_url: str,
+    prompts: W1Prompts,
+    hold_s: float,
+    request_timeout: float,
+) -> WedgeRun:
+    """Drive ``decode_url`` into W1 (module docstring) and watch it.
+
+    Returns once both requests finished, or after ``hold_s`` seconds of
+    watching from the moment both loads completed. Requests still open then
+    end when ``request_timeout`` (seconds, from their start) runs out: the
+    client closes the connection and vLLM aborts them.
+    """
+    seed_store(prefill_url, prompts.seed, store_metrics_url)
+    before = scrape(decode_url)
+    waiting0 = metric_total(before, WAITING)
+    prefill_params, decode_params = mooncake_legs(bootstrap_url)
+    holder = Background(
+        lambda: complete(
+            decode_url,
+            prompts.holder,
+            MAX_TOKENS,
+            timeout=request_timeout,
+            priority=1,
+            kv_transfer_params=decode_params,
+        )
+    )
+    wait_for(
+        "Y waits for its P->D receive",
+        lambda: DecodeState.of(decode_url).waiting >= waiting0 + 1,
+        timeout=30,
+    )
+    urgent = Background(
+        lambda: complete(
+            decode_url, prompts.urgent, MAX_TOKENS, timeout=request_timeout, priority=0
+        )
+    )
+    wait_for(
+        "X's store load completes and X waits for blocks",
+        lambda: _loaded_and_blocked(decode_url, urgent),
+        timeout=30,
+    )
+    prefill_leg = Background(
+        lambda: complete(
+            prefill_url,
+            prompts.holder,
+            1,
+            timeout=request_timeout,
+            kv_transfer_params=prefill_params,
+        )
+    )
+    return _watch(
+        decode_url,
+        (urgent, prompts.urgent),
+        (holder, prompts.holder),
+        prefill_leg,
+        before,
+        hold_s,
+    )
+
+
+def form_w2(
+    prefill_url: str,
+    decode_url: str,
+    bootstrap_url: str,
+    prompts: W2Prompts,
+    hold_s: float,
+    request_timeout: float,
+    failing_for: float = 2.0,
+) -> WedgeRun:
+    """Drive ``decode_url`` into W2 (module docstring) and watch it.
+
+    The store must already have lost ``prompts.failing``'s blocks (its
+    prefix seeded, then the segment owner stopped: :func:`seed_store`,
+    :func:`vllm_mooncake.tools.cluster.local.stop_store_segment`). B waits
+    for its P->D receive, A arrives and its store load fails; after
+    ``failing_for`` seconds B's prefill leg is sent.
+    """
+    before = scrape(decode_url)
+    waiting0 = metric_total(before, WAITING)
+    prefill_params, decode_params = mooncake_legs(bootstrap_url)
+    holder = Background(
+        lambda: complete(
+            decode_url,
+            prompts.holder,
+            MAX_TOKENS,
+            timeout=request_timeout,
+            priority=1,
+            kv_transfer_params=decode_params,
+        )
+    )
+    wait_for(
+        "B waits for its P->D receive",
+        lambda: DecodeState.of(decode_url).waiting >= waiting0 + 1,
+        timeout=30,
+    )
+    failing = Background(
+        lambda: complete(
+            decode_url, prompts.failing, MAX_TOKENS, timeout=request_timeout, priority=0
+        )
+    )
+    time.sleep(failing_for)
+    prefill_leg = Background(
+        lambda: complete(
+            prefill_url,
+            prompts.holder,
+            1,
+            timeout=request_timeout,
+            kv_transfer_params=prefill_params,
+        )
+    )
+    return _watch(
+        decode_url,
+        (failing, prompts.failing),
+        (holder, prompts.holder),
+        prefill_leg,
+        before,
+        hold_s,
+    )
+
+
+def _loaded_and_blocked(decode_url: str, urgent: Background) -> bool:
+    if urgent.done:  # nothing to wait for: X ran (the pool was larger)
+        return True
+    return DecodeState.of(decode_url).completed_waiting >= 1
+
+
+def _watch(
+    decode_url: str,
+    urgent_call: tuple[Background, list[int]],
+    holder_call: tuple[Background, list[int]],
+    prefill_leg: Background,
+    before: list[Sample],
+    hold_s: float,
+) -> WedgeRun:
+    (urgent, urgent_prompt), (holder, holder_prompt) = urgent_call, holder_call
+    prefill_leg.join(60)  # Y's KV has been pushed once the prefill returns
+    t0 = time.monotonic()
+    formed = DecodeState.of(decode_url)
+    deadline = t0 + hold_s
+    while time.monotonic() < deadline and not (urgent.done and holder.done):
+        time.sleep(0.2)
+    settled = DecodeState.of(decode_url)
+    return WedgeRun(
+        decode_url,
+        urgent,
+        holder,
+        urgent_prompt,
+        holder_prompt,
+        prefill_leg,
+        formed,
+        settled,
+        time.monotonic() - t0,
+        before,
+    )
+
+
+def wait_idle(decode_url: str, timeout: float) -> None:
+    """Wait until the decode has nothing running or waiting."""
+    wait_for(
+        f"{decode_url} idle",
+        lambda: (s := DecodeState.of(decode_url)).running == 0 and s.waiting == 0,
+        timeout=timeout,
+    )
+
+
+__all__ = [
+    "MAX_TOKENS",
+    "W1_DECODE_BLOCKS",
+    "W1_SERVER_ARGS",
+    "Background",
+    "DecodeState",
+    "W1Prompts",
+    "W2Prompts",
+    "WedgeRun",
+    "form_w1",
+    "form_w2",
+    "mooncake_legs",
+    "seed_store",
+    "token_prompt",
+    "wait_for",
+    "wait_idle",
+]
