@@ -40,7 +40,12 @@ from vllm_mooncake.guard.metrics import (
     LOAD_RETRY_CUTOFFS_METRIC,
 )
 from vllm_mooncake.tools.cluster import layout
-from vllm_mooncake.tools.cluster.client import complete, metric_total, scrape
+from vllm_mooncake.tools.cluster.client import (
+    complete,
+    metric_total,
+    mooncake_legs,
+    scrape,
+)
 from vllm_mooncake.tools.cluster.local import (
     Cluster,
     down,
@@ -62,7 +67,6 @@ from vllm_mooncake.tools.cluster.real_wedges import (
     WedgeRun,
     form_w1,
     form_w2,
-    mooncake_legs,
     seed_store,
     wait_for,
     wait_idle,

@@ -170,3 +170,60 @@ def pd_complete_nixl(
         timeout=timeout,
         kv_transfer_params=first.kv_transfer_params,
     )
+
+
+def mooncake_legs(bootstrap_url: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``kv_transfer_params`` of a Mooncake-style PD request's two legs,
+    as vllm-router sends them: (prefill leg, decode leg), one transfer id.
+    The prefill's engine id is read from its bootstrap server now."""
+    import uuid
+
+    engines = json.loads(get_text(f"{bootstrap_url}/query"))
+    engine_id = engines["0"]["engine_id"]
+    transfer_id = f"xfer-{uuid.uuid4()}"
+    prefill = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "transfer_id": transfer_id,
+    }
+    decode = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_bootstrap_addr": bootstrap_url,
+        "remote_engine_id": engine_id,
+        "transfer_id": transfer_id,
+    }
+    return prefill, decode
+
+
+def pd_complete_mooncake(
+    prefill_url: str,
+    decode_url: str,
+    bootstrap_url: str,
+    prompt: str | list[int],
+    max_tokens: int = 16,
+    timeout: float = 300.0,
+) -> Completion:
+    """One request routed Mooncake-style by hand: both legs at once (the
+    prefill pushes the KV to the decode), like vLLM's Mooncake proxy."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prefill_params, decode_params = mooncake_legs(bootstrap_url)
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(
+            complete,
+            prefill_url,
+            prompt,
+            1,
+            timeout=timeout,
+            kv_transfer_params=prefill_params,
+        )
+        out = complete(
+            decode_url,
+            prompt,
+            max_tokens,
+            timeout=timeout,
+            kv_transfer_params=decode_params,
+        )
+        first.result()
+    return out

@@ -186,7 +186,6 @@ def up(
         timings["model"] = time.monotonic() - t0
         cpus = sorted(os.sched_getaffinity(0)) if cpu else None
         rank_list = layout.ranks(spec, cpus)
-        cache = cache_dir()
         env = base_env()
         state.info = {
             "spec": {k: v for k, v in asdict(spec).items() if k != "python"},
@@ -218,10 +217,7 @@ def up(
 
         servers = []
         for r in rank_list:
-            renv = {
-                **env,
-                **layout.server_env(r, cpu, cache, spec.ports, store_path),
-            }
+            renv = rank_env(spec, r, cpu, env, store_path)
             pin = f" on CPUs {r.cpus}" if r.cpus else ""
             say(f"[up] starting {r.name} at {r.url}{pin}")
             servers.append(
@@ -253,6 +249,33 @@ def up(
     state.info["timings"] = timings
     state.save()
     return Cluster(spec, tuple(rank_list), rd, model, cpu, timings)
+
+
+def rank_env(
+    spec: ClusterSpec,
+    rank: Rank,
+    cpu: bool,
+    env: dict[str, str],
+    store_path: Path | None,
+) -> dict[str, str]:
+    """The whole environment ``rank``'s server starts with."""
+    extra = layout.server_env(rank, cpu, cache_dir(), spec.ports, store_path)
+    return {**env, **extra}
+
+
+def restart_rank(cluster: Cluster, name: str, timeout: float = 600.0) -> float:
+    """Stop rank ``name`` and start it again with the same command and
+    environment (a crashed or redeployed server); return the seconds until
+    it is healthy again. A prefill comes back with a new engine id and
+    registers it on its (still running) Mooncake bootstrap server."""
+    rank = next(r for r in cluster.ranks if r.name == name)
+    state = Run(cluster.run_dir)
+    state.stop_one(name)
+    store_path = cluster.run_dir / STORE_CONFIG_FILE if cluster.spec.store else None
+    env = rank_env(cluster.spec, rank, cluster.cpu, base_env(), store_path)
+    argv = layout.server_argv(cluster.spec, rank, cluster.model, cluster.cpu)
+    proc = state.start(name, argv, env, f"{rank.url}/health")
+    return state.wait_healthy([proc], timeout=timeout, poll=2.0)
 
 
 def start_store(

@@ -203,9 +203,10 @@ class Run:
     def stop_one(self, name: str, timeout: float = 30.0) -> list[str]:
         """Stop the recorded process ``name`` (SIGTERM, then SIGKILL); it
         stays recorded, so :meth:`stop` still reports it."""
-        proc = next((p for p in self.procs if p.name == name), None)
-        if proc is None:
+        named = [p for p in self.procs if p.name == name]
+        if not named:
             raise KeyError(f"no process {name!r} recorded in {self.state_path}")
+        proc = named[-1]  # the latest start of that name
         members = proc.members()
         for pid in members:
             _signal(pid, signal.SIGTERM)

@@ -38,10 +38,8 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from vllm_mooncake.tools.cluster.client import (
     Completion,
@@ -49,6 +47,7 @@ from vllm_mooncake.tools.cluster.client import (
     complete,
     get_text,
     metric_total,
+    mooncake_legs,
     scrape,
 )
 from vllm_mooncake.tools.cluster.procs import http_ok
@@ -127,29 +126,6 @@ class Background:
     @property
     def done(self) -> bool:
         return not self._thread.is_alive()
-
-
-def mooncake_legs(bootstrap_url: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The ``kv_transfer_params`` of a Mooncake-style PD request's two legs,
-    as vllm-router sends them: (prefill leg, decode leg), one transfer id."""
-    import json
-
-    engines = json.loads(get_text(f"{bootstrap_url}/query"))
-    engine_id = engines["0"]["engine_id"]
-    transfer_id = f"xfer-{uuid.uuid4()}"
-    prefill = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "transfer_id": transfer_id,
-    }
-    decode = {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_bootstrap_addr": bootstrap_url,
-        "remote_engine_id": engine_id,
-        "transfer_id": transfer_id,
-    }
-    return prefill, decode
 
 
 def wait_for(
@@ -411,7 +387,6 @@ __all__ = [
     "WedgeRun",
     "form_w1",
     "form_w2",
-    "mooncake_legs",
     "seed_store",
     "token_prompt",
     "wait_for",
