@@ -112,21 +112,22 @@ class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
         owner = side.route(request, num_computed_tokens)
         if owner == UNROUTABLE:
             return 0, False
+        req_id = request.request_id
         if owner is None:
             num_tokens, is_async = super().get_num_new_matched_tokens(
                 request, num_computed_tokens
             )
-            if num_tokens is not None and num_tokens:
-                owner = side.owner_of(request.request_id)
+            if num_tokens:
+                owner = side.owner_of(req_id)
         else:
             num_tokens, is_async = self._connectors[owner].get_num_new_matched_tokens(
                 request, num_computed_tokens
             )
         if num_tokens is None:
             return None, False
-        if not side.within_retry_budget(request.request_id, owner, num_tokens):
+        if num_tokens and not side.within_retry_budget(req_id, owner, num_tokens):
             num_tokens, is_async, owner = 0, False, None  # computed locally
-        side.record_lookup(request.request_id, owner, num_tokens, is_async)
+        side.record_lookup(req_id, owner, num_tokens, is_async)
         return num_tokens, is_async
 
     def update_state_after_alloc(
@@ -140,15 +141,16 @@ class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
         asks its worker to fetch -- the request would wait forever.
         """
         side: GuardSchedulerSide = self._side  # type: ignore[assignment]
+        children = self._connectors
         owner = side.owner_of(request.request_id)
-        for i in side.owner_first(request.request_id, len(self._connectors)):
+        for i in side.owner_first(request.request_id, len(children)):
             tokens = num_external_tokens if i == owner else 0
-            self._connectors[i].update_state_after_alloc(request, blocks, tokens)
+            children[i].update_state_after_alloc(request, blocks, tokens)
         side.record_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         meta = super().build_connector_meta(scheduler_output)
-        self.scheduler_side.observe_scheduler_output(scheduler_output)
+        self._side.observe_scheduler_output(scheduler_output)  # type: ignore[union-attr]
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -157,7 +159,7 @@ class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
         vLLM's scheduler calls this *before* it reads ``finished_recving``
         itself, so the filtered set is also what the scheduler acts on.
         """
-        side = self.scheduler_side
+        side: GuardSchedulerSide = self._side  # type: ignore[assignment]
         side.filter_recv_notices(connector_output)
         side.end_output()
         super().update_connector_output(connector_output)

@@ -84,6 +84,36 @@ class ContainedChild:
         be replaced after the proxy was made (vLLM's own tests do)."""
         return getattr(self._child, name)
 
+    # Hooks MultiConnector calls on every step or every request: forwarded
+    # by name, afresh on every call as above, without the failed attribute
+    # lookup that reaches ``__getattr__`` (about a microsecond each).
+    def on_new_request(self, *args: Any, **kwargs: Any) -> Any:
+        return self._child.on_new_request(*args, **kwargs)
+
+    def build_connector_meta(self, *args: Any, **kwargs: Any) -> Any:
+        return self._child.build_connector_meta(*args, **kwargs)
+
+    def update_connector_output(self, *args: Any, **kwargs: Any) -> Any:
+        return self._child.update_connector_output(*args, **kwargs)
+
+    def get_kv_connector_stats(self, *args: Any, **kwargs: Any) -> Any:
+        return self._child.get_kv_connector_stats(*args, **kwargs)
+
+    def take_events(self, *args: Any, **kwargs: Any) -> Any:
+        return self._child.take_events(*args, **kwargs)
+
+    def get_loaded_kv_cache_group_ids(self, *args: Any, **kwargs: Any) -> Any:
+        return self._child.get_loaded_kv_cache_group_ids(*args, **kwargs)
+
+    def get_external_cache_hit_sources(self, *args: Any, **kwargs: Any) -> Any:
+        return self._child.get_external_cache_hit_sources(*args, **kwargs)
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> Any:
+        # A child without it (before 0.32) raises AttributeError here, and
+        # the lookup falls back to __getattr__, which raises it again.
+        return self._child.supports_divergent_local_hybrid_hits
+
     def _contain(self, hook: str, request: Request, tokens: int = 0) -> None:
         logger.exception(
             "KV connector %s raised in %s for request %s; contained by the wedge guard",

@@ -69,11 +69,12 @@ class ChildRouter:
         """
         if not params:
             return None
-        present = {k for k, v in params.items() if v is not None}
         for i, keys in enumerate(self.claims):
-            if keys & present:
-                return i
+            for key in keys:
+                if params.get(key) is not None:
+                    return i
         if params.get("do_remote_prefill"):
+            present = {k for k, v in params.items() if v is not None}
             raise UnroutableRequest(
                 f"kv_transfer_params asks for a remote prefill but carries none of "
                 f"the keys of the configured children "

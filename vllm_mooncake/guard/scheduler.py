@@ -69,6 +69,23 @@ _STATUS = {
 }
 
 
+def _instance_attribute(obj: object, name: str) -> Any:
+    """``obj.__dict__.get(name)``, without reading ``obj.__dict__``.
+
+    CPython 3.11 keeps an object's attributes in an inline array until
+    something reads its ``__dict__``; from then on every attribute read on
+    that object goes through a dict and costs about twice as much. vLLM reads
+    the KVCacheManager's attributes hundreds of times per step, so the valve
+    finds its own shadow by comparing what the instance answers with what
+    its class would bind instead.
+    """
+    found = getattr(obj, name)
+    on_class = getattr(type(obj), name)
+    bind = getattr(type(on_class), "__get__", None)
+    unshadowed = on_class if bind is None else bind(on_class, obj, type(obj))
+    return None if found == unshadowed else found
+
+
 def _require_supported_vllm() -> None:
     """Fail at start-up, by name, if this vLLM moved what the guard touches."""
     from vllm_mooncake.compat.internals import missing_internals
@@ -152,7 +169,7 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         stock_allocate = manager.allocate_slots
         # What shadowed the method before us, if anything (put back when the
         # valve is off for a call).
-        self._valve_base = manager.__dict__.get("allocate_slots")
+        self._valve_base = _instance_attribute(manager, "allocate_slots")
         self._valve: Callable[..., KVCacheBlocks | None]
 
         def allocate_slots(
@@ -187,15 +204,15 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         config = self.wedge_guard.config
         armed = config.policy.lateral and not (config.only_when_idle and self.running)
         manager = self.kv_cache_manager
-        shadow = manager.__dict__.get("allocate_slots")
+        shadow = _instance_attribute(manager, "allocate_slots")
         if shadow is not self._valve and shadow is not self._valve_base:
             return  # replaced by someone else after us (a test's mock): theirs
         if armed:
             manager.allocate_slots = self._valve
         elif self._valve_base is not None:
             manager.allocate_slots = self._valve_base
-        else:
-            manager.__dict__.pop("allocate_slots", None)
+        elif shadow is not None:
+            del manager.allocate_slots  # vLLM's own method again
 
     def _install_full_sequence_valve(self) -> None:
         """0.19-0.20: the admission loop asks ``can_fit_full_sequence``

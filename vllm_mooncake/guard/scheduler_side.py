@@ -31,9 +31,11 @@ read by attribute, so the class runs in unit tests with plain objects.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm_mooncake import logger_for
@@ -43,6 +45,7 @@ from vllm_mooncake.guard.containment import ALLOC, ChildFault
 from vllm_mooncake.guard.ledger import (
     BlockLedger,
     Disagreement,
+    DroppedNotices,
     HolderView,
     LedgerError,
     RecvState,
@@ -68,6 +71,9 @@ Awaited = Callable[[str], bool]
 """Whether vLLM's scheduler still waits on a receive notice for a request."""
 
 _LOGGED_ONCE_MAX = 65536
+_NO_IDS: frozenset[str] = frozenset()
+_DROPPED_KINDS = tuple(f.name for f in fields(DroppedNotices))
+_dropped_counts = operator.attrgetter(*_DROPPED_KINDS)
 
 
 @dataclass(frozen=True)
@@ -162,15 +168,24 @@ class GuardSchedulerSide:
         try:
             return call(*args)
         except LedgerError:
-            self.stats.ledger_errors += 1
-            if self.config.strict:
-                raise
-            logger.exception("wedge guard ledger inconsistency (continuing)")
+            self._ledger_refused()
             return None
+
+    def _ledger_refused(self) -> None:
+        """Called inside ``except LedgerError``: count it, then raise it again
+        (strict) or log it with its traceback. The per-request hooks catch
+        the error themselves (no :meth:`_ledger` frame on their path)."""
+        self.stats.ledger_errors += 1
+        if self.config.strict:
+            raise  # the LedgerError being handled
+        logger.exception("wedge guard ledger inconsistency (continuing)")
 
     # ---- connector hooks, reported by the facade ----------------------------------
     def on_arrival(self, req_id: str) -> None:
-        self._ledger(self.ledger.on_arrival, req_id)
+        try:
+            self.ledger.on_arrival(req_id)
+        except LedgerError:
+            self._ledger_refused()
 
     def route(self, request: Request, num_computed_tokens: int) -> int | None:
         """The child whose ``kv_transfer_params`` ``request`` carries.
@@ -197,8 +212,11 @@ class GuardSchedulerSide:
             self._requests_to_connector[req_id] = owner
         else:
             self._requests_to_connector.pop(req_id, None)
-        owner_name = self.child_names[owner] if owner is not None else None
-        self._ledger(self.ledger.on_lookup, req_id, owner_name, num_tokens, is_async)
+        owner_name = self.router.names[owner] if owner is not None else None
+        try:
+            self.ledger.on_lookup(req_id, owner_name, num_tokens, is_async)
+        except LedgerError:
+            self._ledger_refused()
 
     def owner_first(self, req_id: str, num_children: int) -> list[int]:
         """Children in the order ``update_state_after_alloc`` must tell them:
@@ -228,7 +246,7 @@ class GuardSchedulerSide:
         """
         if not num_tokens or owner is None or not self.config.policy.lateral:
             return True  # reserve / no-reserve: upstream's behaviour
-        child = self.child_names[owner]
+        child = self.router.names[owner]
         failures = self.ledger.failed_loads(req_id, child)
         if failures < self.config.max_failed_loads:
             return True
@@ -260,12 +278,15 @@ class GuardSchedulerSide:
     ) -> None:
         """The children know of the allocation; the ledger now learns of it."""
         num_blocks = len(blocks.blocks[0]) if blocks.blocks else 0
-        self._ledger(
-            self.ledger.on_alloc, request.request_id, num_blocks, num_external_tokens
-        )
-        fault, self._alloc_fault = self._alloc_fault, None
-        if fault is not None and fault.num_external_tokens > 0:
-            self.on_load_not_started(request, blocks, num_external_tokens)
+        try:
+            self.ledger.on_alloc(request.request_id, num_blocks, num_external_tokens)
+        except LedgerError:
+            self._ledger_refused()
+        fault = self._alloc_fault
+        if fault is not None:
+            self._alloc_fault = None
+            if fault.num_external_tokens > 0:
+                self.on_load_not_started(request, blocks, num_external_tokens)
 
     def on_child_fault(self, fault: ChildFault) -> None:
         """A contained child raised (guard/containment.py): count it."""
@@ -304,20 +325,27 @@ class GuardSchedulerSide:
 
     def observe_scheduler_output(self, scheduler_output: SchedulerOutput) -> None:
         """What this step scheduled and preempted (from build_connector_meta)."""
+        ledger = self.ledger
         for req_id in scheduler_output.preempted_req_ids or ():
-            self.ledger.on_preempted(req_id)
+            ledger.on_preempted(req_id)
         for new in scheduler_output.scheduled_new_reqs:
-            self._ledger(
-                self.ledger.on_scheduled,
+            block_ids = new.block_ids
+            self._scheduled(
                 new.req_id,
                 new.num_computed_tokens,
-                len(new.block_ids[0]) if new.block_ids else 0,
+                len(block_ids[0]) if block_ids else 0,
             )
         cached = scheduler_output.scheduled_cached_reqs
-        for req_id, computed, blocks in self.ledger.on_scheduled_again(
+        for req_id, computed, blocks in ledger.on_scheduled_again(
             cached.req_ids, cached.num_computed_tokens, cached.new_block_ids
         ):
-            self._ledger(self.ledger.on_scheduled, req_id, computed, blocks)
+            self._scheduled(req_id, computed, blocks)
+
+    def _scheduled(self, req_id: str, computed_tokens: int, num_blocks: int) -> None:
+        try:
+            self.ledger.on_scheduled(req_id, computed_tokens, num_blocks)
+        except LedgerError:
+            self._ledger_refused()
 
     def record_finished(self, req_id: str) -> None:
         self.ledger.on_finished(req_id)
@@ -349,7 +377,9 @@ class GuardSchedulerSide:
         self._filtered_output = connector_output
         self._report_unstarted_loads(connector_output)
         # Before 0.30 a failed receive is a finished one with invalid blocks.
-        failed = getattr(connector_output, "failed_recving", None) or set()
+        failed: AbstractSet[str] = (
+            getattr(connector_output, "failed_recving", None) or _NO_IDS
+        )
         kept: set[str] = set()
         if connector_output.finished_recving:
             kept = self._accepted_recvs(
@@ -380,11 +410,14 @@ class GuardSchedulerSide:
             self._unstarted_blocks.clear()
 
     def _accepted_recvs(
-        self, finished: Iterable[str], failed: set[str], awaited: Awaited | None
+        self,
+        finished: Iterable[str],
+        failed: AbstractSet[str],
+        awaited: Awaited | None,
     ) -> set[str]:
         kept = set()
-        before = self.ledger.dropped.__dict__.copy()
         ledger = self.ledger
+        before = _dropped_counts(ledger.dropped)
         for req_id in finished:
             vllm_waits = None if awaited is None else awaited(req_id)
             if vllm_waits is None or vllm_waits == ledger.expects_recv(req_id):
@@ -397,7 +430,14 @@ class GuardSchedulerSide:
             else:
                 ledger.accept_recv_complete(req_id, req_id in failed)
                 self._note_disagreement(req_id, Disagreement.NOT_AWAITED)
-        for kind, n in self.ledger.dropped.__dict__.items():
+        if before != _dropped_counts(ledger.dropped):
+            self._count_dropped(dict(zip(_DROPPED_KINDS, before, strict=True)))
+        return kept
+
+    def _count_dropped(self, before: dict[str, int]) -> None:
+        """Count and log the notices the ledger dropped since ``before``."""
+        for kind in _DROPPED_KINDS:
+            n = getattr(self.ledger.dropped, kind)
             if n > before[kind]:
                 self.stats.dropped_recv_notices[kind] += n - before[kind]
                 logger.warning(
@@ -405,7 +445,6 @@ class GuardSchedulerSide:
                     n - before[kind],
                     kind,
                 )
-        return kept
 
     def _note_disagreement(self, req_id: str, kind: Disagreement) -> None:
         """Count a ledger/vLLM disagreement; log it once per request."""
