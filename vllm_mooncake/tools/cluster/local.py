@@ -410,9 +410,14 @@ def _spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     guard_extra: dict[str, Any] = {}
     if args.stall_alarm_steps is not None:
         guard_extra["stall_alarm_steps"] = args.stall_alarm_steps
+    if args.stall_alarm_s is not None:
+        guard_extra["stall_alarm_s"] = args.stall_alarm_s
     return ClusterSpec(
         store=args.store,
+        store_client_ttl_s=args.store_client_ttl,
         connector=args.connector,
+        rank_connectors=_rank_connectors(args.rank_connector or ()),
+        kv_load_failure_policy=args.kv_load_failure_policy,
         shape=args.shape,
         base_port=args.base_port,
         model=args.model or "",
@@ -425,6 +430,19 @@ def _spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         max_num_seqs=args.max_num_seqs,
         server_args=tuple(args.server_arg or ()),
     )
+
+
+def _rank_connectors(pairs: Sequence[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        name, sep, connector = pair.partition("=")
+        if not sep or not name or not connector:
+            raise SystemExit(
+                f"--rank-connector {pair!r}: write RANK=CONNECTOR, e.g. "
+                "decode-0=stock or decode-1=reserve"
+            )
+        out[name] = connector
+    return out
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -456,8 +474,28 @@ def _parser() -> argparse.ArgumentParser:
         choices=layout.CONNECTORS,
         help="stock: vLLM's MultiConnector over the same children, no guard",
     )
+    u.add_argument(
+        "--rank-connector",
+        action="append",
+        metavar="RANK=CONNECTOR",
+        help="one rank's connector: stock or a guard policy (repeat), "
+        "e.g. decode-0=stock",
+    )
+    u.add_argument(
+        "--kv-load-failure-policy",
+        default="",
+        choices=layout.LOAD_FAILURE_POLICIES,
+        help="kv_transfer_config.kv_load_failure_policy (default: vLLM's)",
+    )
+    u.add_argument(
+        "--store-client-ttl",
+        type=int,
+        default=layout.STORE_CLIENT_TTL_S,
+        help="seconds mooncake_master keeps a silent client's segments",
+    )
     u.add_argument("--policy", default="reserve+lateral")
     u.add_argument("--stall-alarm-steps", type=int, default=None)
+    u.add_argument("--stall-alarm-s", type=float, default=None)
     u.add_argument("--decode-blocks", type=int, default=None)
     u.add_argument("--prefill-blocks", type=int, default=None)
     u.add_argument("--max-model-len", type=int, default=512)

@@ -63,7 +63,8 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 GENERATED = "vllm:generation_tokens_total"
 FETCH_STAGE = "vllm:num_requests_kv_fetch_by_stage"
-STORE_KEYS = "master_key_count"
+# mooncake_master's counters of completed puts (single and batched)
+STORE_PUTS_DONE = ("master_put_end_requests_total", "master_batch_put_end_items_total")
 
 
 def token_prompt(n: int, seed: int) -> list[int]:
@@ -141,15 +142,21 @@ def wait_for(
 
 
 def seed_store(prefill_url: str, prompt: list[int], store_metrics_url: str) -> None:
-    """Have the prefill compute ``prompt`` and wait until the store holds more
-    keys than before (its full blocks, saved asynchronously)."""
-    before = metric_total(scrape_url(store_metrics_url), STORE_KEYS)
+    """Have the prefill compute ``prompt`` and wait until the store has
+    finished a put since (its full blocks, saved asynchronously): the
+    master's count of completed put items grows."""
+    before = _puts_done(store_metrics_url)
     complete(prefill_url, prompt, 1)
     wait_for(
         "the prefill's store save",
-        lambda: metric_total(scrape_url(store_metrics_url), STORE_KEYS) > before,
+        lambda: _puts_done(store_metrics_url) > before,
         timeout=30,
     )
+
+
+def _puts_done(store_metrics_url: str) -> float:
+    samples = scrape_url(store_metrics_url)
+    return sum(metric_total(samples, name) for name in STORE_PUTS_DONE)
 
 
 def scrape_url(url: str) -> list[Sample]:
@@ -376,6 +383,84 @@ def wait_idle(decode_url: str, timeout: float) -> None:
     )
 
 
+# ---- CLI -------------------------------------------------------------------------
+SHOWN_COUNTERS = (
+    "vllm:kv_guard_lateral_preemptions_total",
+    "vllm:kv_guard_load_retry_cutoffs_total",
+    "vllm:kv_guard_wedges_detected_total",
+)
+
+
+def report(run: WedgeRun) -> list[str]:
+    """What the decode did, for people: its gauges and the guard's counters."""
+    lines = [
+        f"decode {run.decode_url}: "
+        + ("both requests finished" if run.finished else "requests still waiting")
+        + f" {run.seconds:.1f} s after the last load",
+        f"  formed:  {_gauges(run.formed)}",
+        f"  settled: {_gauges(run.settled)}",
+    ]
+    for name in SHOWN_COUNTERS:
+        if any(x.name == name for x in run.settled.samples):
+            lines.append(f"  {name} +{run.delta(name):g}")
+    return lines
+
+
+def _gauges(state: DecodeState) -> str:
+    return (
+        f"running={state.running:g} waiting={state.waiting:g} "
+        f"completed_waiting={state.completed_waiting:g} "
+        f"generation_tokens_total={state.generated:g} "
+        f"/health={'200' if state.healthy else 'down'}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m vllm_mooncake.tools.cluster.real_wedges w1 --run R --decode J``:
+    form W1 on decode J of a running store-mode cluster and print what
+    happened (``w2`` stops the store's segment owner first)."""
+    import argparse
+
+    from vllm_mooncake.tools.cluster.local import (
+        DEFAULT_RUN,
+        attach,
+        stop_store_segment,
+    )
+
+    ap = argparse.ArgumentParser(
+        prog="python -m vllm_mooncake.tools.cluster.real_wedges"
+    )
+    ap.add_argument("wedge", choices=("w1", "w2"))
+    ap.add_argument("--run", default=DEFAULT_RUN)
+    ap.add_argument(
+        "--decode", default="0", help="decode index, or several: 0,1,2 (in turn)"
+    )
+    ap.add_argument("--hold", type=float, default=15.0, help="seconds to watch")
+    ap.add_argument("--seed", type=int, default=0, help="picks fresh prompts")
+    args = ap.parse_args(argv)
+    cluster = attach(args.run)
+    if not cluster.spec.store:
+        raise SystemExit(f"run {args.run!r} is not in store mode (up --store)")
+    p, boot = cluster.prefill_urls[0], cluster.bootstrap_urls[0]
+    metrics = f"http://127.0.0.1:{cluster.spec.ports.store_master_metrics}/metrics"
+    decodes = [int(j) for j in args.decode.split(",")]
+    timeout = args.hold + 20
+    if args.wedge == "w2":  # every prefix stored, then the store loses them all
+        w2 = {j: W2Prompts.make(args.seed + j) for j in decodes}
+        for prompts in w2.values():
+            seed_store(p, prompts.seed, metrics)
+        stop_store_segment(cluster)
+    for j in decodes:
+        d = cluster.decode_urls[j]
+        if args.wedge == "w1":
+            prompts1 = W1Prompts.make(args.seed + j)
+            run = form_w1(p, d, boot, metrics, prompts1, args.hold, timeout)
+        else:
+            run = form_w2(p, d, boot, w2[j], args.hold, timeout)
+        print("\n".join(report(run)), flush=True)
+    return 0
+
+
 __all__ = [
     "MAX_TOKENS",
     "W1_DECODE_BLOCKS",
@@ -387,8 +472,14 @@ __all__ = [
     "WedgeRun",
     "form_w1",
     "form_w2",
+    "main",
+    "report",
     "seed_store",
     "token_prompt",
     "wait_for",
     "wait_idle",
 ]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
