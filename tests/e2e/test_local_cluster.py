@@ -44,6 +44,7 @@ from vllm_mooncake.guard.metrics import (
     GAUGE_METRICS,
     LATERAL_PREEMPTIONS_METRIC,
 )
+from vllm_mooncake.testing import log_lines
 from vllm_mooncake.tools.cluster.client import (
     Completion,
     Sample,
@@ -147,10 +148,9 @@ def test_every_engine_runs_the_guard_connector_and_scheduler(cluster: Cluster) -
         assert "Traceback" not in log, rank.name
 
 
-# vLLM's log format: "(EngineCore pid=..) INFO 12-03 13:20:21 [file.py:123] ...".
+# The start-up line as docs/runbook.md shows it, with this cluster's policy.
 GUARD_START_LINE = re.compile(
-    r"\bINFO \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]+:\d+\] wedge guard active: "
-    r"WedgeGuard(Async)?Scheduler over \[[^\]]+\]; policy=reserve\+lateral "
+    log_lines.START.pattern.pattern.replace(r"policy=\S+", r"policy=reserve\+lateral")
 )
 
 

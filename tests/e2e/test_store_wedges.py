@@ -39,6 +39,7 @@ from vllm_mooncake.guard.metrics import (
     LATERAL_PREEMPTIONS_METRIC,
     LOAD_RETRY_CUTOFFS_METRIC,
 )
+from vllm_mooncake.testing import log_lines
 from vllm_mooncake.tools.cluster import layout
 from vllm_mooncake.tools.cluster.client import (
     complete,
@@ -93,28 +94,17 @@ PROMPT_SEEDS = {STOCK: 1, GUARD: 2, ALARM: 3}
 WEDGE_COUNTER = "vllm:kv_guard_wedges_detected_total"
 LATERAL = f"{LATERAL_PREEMPTIONS_METRIC}_total"
 CUTOFFS = f"{LOAD_RETRY_CUTOFFS_METRIC}_total"
-# vLLM's log format, then the guard's line as docs/runbook.md shows it.
-_VLLM_PREFIX = (
-    r"\(EngineCore(?:_DP0)? pid=\d+\) {level} "
-    r"\d\d-\d\d \d\d:\d\d:\d\d \[[\w.]+:\d+\] "
-)
+# The guard's lines as docs/runbook.md shows them (vllm_mooncake.testing.
+# log_lines), with this scenario's owners and sizes.
 LATERAL_LINE = re.compile(
-    _VLLM_PREFIX.format(level="WARNING")
-    + r"wedge guard: admission failed with nothing running; lateral preemption "
-    r"of \S+ \(recv_done, owner=MooncakeConnector, 3 blocks\) for \S+; "
-    r"waiting holders now: "
+    log_lines.LATERAL.pattern.pattern.replace(
+        r"\((?:recv_done|promoted_idle), owner=\w+, \d+ blocks\)",
+        r"\(recv_done, owner=MooncakeConnector, 3 blocks\)",
+    )
 )
-ALARM_LINE = re.compile(
-    _VLLM_PREFIX.format(level="ERROR")
-    + r"wedge alarm: no token scheduled for \d+ steps \([\d.]+ s\) while 2 "
-    r"waiting request\(s\) hold 5 KV blocks, none runs and no receive is in "
-    r"flight; policy=reserve; holders: "
-)
-CUTOFF_LINE = re.compile(
-    _VLLM_PREFIX.format(level="WARNING")
-    + r"request \S+: 3 loads from MooncakeStoreConnector failed "
-    r"\(max_failed_loads=3\); computing it locally instead of loading it again"
-)
+ALARM_LINE = log_lines.ALARM
+CUTOFF_LINE = log_lines.LOAD_RETRY_CUTOFF
+DROPPED_LINE = log_lines.RESERVATION_DROPPED
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +270,11 @@ def test_a_real_wedge_raises_the_alarm_in_vllms_log_format(
     run = _w1(store_cluster, ALARM, STALL_ALARM_S + 6)
     _assert_stock_wedged_briefly(run)
     assert run.delta(WEDGE_COUNTER) == 1
-    assert ALARM_LINE.search(_log(store_cluster, ALARM))
+    log = _log(store_cluster, ALARM)
+    assert ALARM_LINE.search(log)
+    assert (
+        "hold 5 KV blocks, none runs and no receive is in flight; policy=reserve" in log
+    )
     wait_idle(store_cluster.decode_urls[ALARM], timeout=60)
 
 
@@ -321,4 +315,7 @@ def test_w2_guard_cuts_the_retries_and_outputs_match_reference(
     assert run.seconds < GUARD_DEADLINE_S < CLIENT_TTL_S / 10
     assert run.delta(CUTOFFS, child="MooncakeStoreConnector") >= 1
     _assert_outputs(run, reference)
-    assert CUTOFF_LINE.search(_log(lost_store, GUARD))
+    log = _log(lost_store, GUARD)
+    assert CUTOFF_LINE.search(log)
+    assert "MooncakeStoreConnector failed (max_failed_loads=3)" in log
+    assert DROPPED_LINE.search(log)
