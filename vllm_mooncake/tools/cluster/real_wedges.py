@@ -29,9 +29,18 @@ block to run -- is never reached. Stock stays like this: nothing generated,
 ``/health`` 200, until the clients give up. The guard preempts Y
 laterally (Y recomputes later), X runs, then Y.
 
-:func:`form_w1` drives one decode through this and reports what the decode
-did (:class:`WedgeRun`); the end-to-end tests and ``python -m
-vllm_mooncake.tools.cluster.real_wedges`` judge it.
+W2 (``kv_load_failure_policy=recompute`` and a store load that fails
+entirely), same pool: the store learns A's prefix, then loses it -- its
+segment owner stops, while mooncake_master still lists the keys until its
+``client_ttl`` -- so A's store hit is offered and every load of it fails. B
+waits on a P->D receive; A arrives, its load fails, vLLM frees A's blocks
+but keeps A's reservation, and A's re-admission then waits for its own
+reserved blocks; B's KV arrives and B waits behind A. The guard cuts A's
+retries after ``max_failed_loads`` and prefills it locally.
+
+:func:`form_w1` / :func:`form_w2` drive one decode through this and report
+what the decode did (:class:`WedgeRun`); the end-to-end tests and ``python
+-m vllm_mooncake.tools.cluster.real_wedges`` judge it.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm_mooncake.tools.cluster.client import (
     Completion,
@@ -48,6 +58,7 @@ from vllm_mooncake.tools.cluster.client import (
     get_text,
     metric_total,
     mooncake_legs,
+    parse_metrics,
     scrape,
 )
 from vllm_mooncake.tools.cluster.procs import http_ok
@@ -160,8 +171,7 @@ def _puts_done(store_metrics_url: str) -> float:
 
 
 def scrape_url(url: str) -> list[Sample]:
-    from vllm_mooncake.tools.cluster.client import parse_metrics
-
+    """Samples of any Prometheus endpoint (``scrape`` takes a server's base)."""
     return parse_metrics(get_text(url))
 
 
@@ -231,51 +241,16 @@ def form_w1(
     client closes the connection and vLLM aborts them.
     """
     seed_store(prefill_url, prompts.seed, store_metrics_url)
-    before = scrape(decode_url)
-    waiting0 = metric_total(before, WAITING)
-    prefill_params, decode_params = mooncake_legs(bootstrap_url)
-    holder = Background(
-        lambda: complete(
-            decode_url,
-            prompts.holder,
-            MAX_TOKENS,
-            timeout=request_timeout,
-            priority=1,
-            kv_transfer_params=decode_params,
+
+    def urgent_load_done(urgent: Background) -> None:
+        wait_for(
+            "X's store load completes and X waits for blocks",
+            lambda: _loaded_and_blocked(decode_url, urgent),
+            timeout=30,
         )
-    )
-    wait_for(
-        "Y waits for its P->D receive",
-        lambda: DecodeState.of(decode_url).waiting >= waiting0 + 1,
-        timeout=30,
-    )
-    urgent = Background(
-        lambda: complete(
-            decode_url, prompts.urgent, MAX_TOKENS, timeout=request_timeout, priority=0
-        )
-    )
-    wait_for(
-        "X's store load completes and X waits for blocks",
-        lambda: _loaded_and_blocked(decode_url, urgent),
-        timeout=30,
-    )
-    prefill_leg = Background(
-        lambda: complete(
-            prefill_url,
-            prompts.holder,
-            1,
-            timeout=request_timeout,
-            kv_transfer_params=prefill_params,
-        )
-    )
-    return _watch(
-        decode_url,
-        (urgent, prompts.urgent),
-        (holder, prompts.holder),
-        prefill_leg,
-        before,
-        hold_s,
-    )
+
+    legs = PDLegs(prefill_url, decode_url, bootstrap_url, request_timeout)
+    return legs.run(prompts.urgent, prompts.holder, urgent_load_done, hold_s)
 
 
 def form_w2(
@@ -295,47 +270,74 @@ def form_w2(
     for its P->D receive, A arrives and its store load fails; after
     ``failing_for`` seconds B's prefill leg is sent.
     """
-    before = scrape(decode_url)
-    waiting0 = metric_total(before, WAITING)
-    prefill_params, decode_params = mooncake_legs(bootstrap_url)
-    holder = Background(
-        lambda: complete(
-            decode_url,
-            prompts.holder,
-            MAX_TOKENS,
-            timeout=request_timeout,
-            priority=1,
-            kv_transfer_params=decode_params,
+    legs = PDLegs(prefill_url, decode_url, bootstrap_url, request_timeout)
+    return legs.run(
+        prompts.failing, prompts.holder, lambda _: time.sleep(failing_for), hold_s
+    )
+
+
+@dataclass(frozen=True)
+class PDLegs:
+    """The choreography both wedges share on one decode.
+
+    The holder's decode leg goes first (a P->D receive the decode waits on),
+    then the other request, then -- once ``between`` returns -- the holder's
+    prefill leg, which lets the prefill push the holder's KV.
+    """
+
+    prefill_url: str
+    decode_url: str
+    bootstrap_url: str
+    request_timeout: float
+
+    def run(
+        self,
+        first: list[int],
+        holder_prompt: list[int],
+        between: Callable[[Background], None],
+        hold_s: float,
+    ) -> WedgeRun:
+        before = scrape(self.decode_url)
+        waiting0 = metric_total(before, WAITING)
+        prefill_params, decode_params = mooncake_legs(self.bootstrap_url)
+        holder = self._complete(
+            self.decode_url, holder_prompt, MAX_TOKENS, 1, decode_params
         )
-    )
-    wait_for(
-        "B waits for its P->D receive",
-        lambda: DecodeState.of(decode_url).waiting >= waiting0 + 1,
-        timeout=30,
-    )
-    failing = Background(
-        lambda: complete(
-            decode_url, prompts.failing, MAX_TOKENS, timeout=request_timeout, priority=0
+        wait_for(
+            "the holder waits for its P->D receive",
+            lambda: DecodeState.of(self.decode_url).waiting >= waiting0 + 1,
+            timeout=30,
         )
-    )
-    time.sleep(failing_for)
-    prefill_leg = Background(
-        lambda: complete(
-            prefill_url,
-            prompts.holder,
-            1,
-            timeout=request_timeout,
-            kv_transfer_params=prefill_params,
+        urgent = self._complete(self.decode_url, first, MAX_TOKENS, 0, None)
+        between(urgent)
+        prefill_leg = self._complete(
+            self.prefill_url, holder_prompt, 1, 0, prefill_params
         )
-    )
-    return _watch(
-        decode_url,
-        (failing, prompts.failing),
-        (holder, prompts.holder),
-        prefill_leg,
-        before,
-        hold_s,
-    )
+        return _watch(
+            self.decode_url,
+            (urgent, first),
+            (holder, holder_prompt),
+            prefill_leg,
+            before,
+            hold_s,
+        )
+
+    def _complete(
+        self,
+        url: str,
+        prompt: list[int],
+        max_tokens: int,
+        priority: int,
+        params: dict[str, Any] | None,
+    ) -> Background:
+        extra: dict[str, Any] = {"priority": priority}
+        if params is not None:
+            extra["kv_transfer_params"] = params
+        return Background(
+            lambda: complete(
+                url, prompt, max_tokens, timeout=self.request_timeout, **extra
+            )
+        )
 
 
 def _loaded_and_blocked(decode_url: str, urgent: Background) -> bool:
@@ -463,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
 
 __all__ = [
     "MAX_TOKENS",
+    "PDLegs",
     "W1_DECODE_BLOCKS",
     "W1_SERVER_ARGS",
     "Background",
