@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,6 +190,14 @@ class SchedulerAccess:
         if self.layout is QueueLayout.HOLDING:
             return self._s.kv_holding_waiting, self._s.waiting
         return self._s.skipped_waiting, self._s.waiting
+
+    def holds_blocks_test(self) -> Callable[[Request], Any]:
+        """:meth:`holds_blocks` as one callable for a loop over a queue:
+        0.31+ vLLM's own ``_holds_kv_blocks`` (truthy), without a frame of
+        ours around each call."""
+        if self.layout is QueueLayout.HOLDING:
+            return self._s._holds_kv_blocks  # type: ignore[no-any-return]
+        return self.holds_blocks
 
     def holds_blocks(self, request: Request) -> bool:
         if self.layout is QueueLayout.HOLDING:

@@ -37,7 +37,7 @@ request being admitted. Least progressed first, ties by latest arrival.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, KeysView, Sequence
 from dataclasses import dataclass
 
 ReqId = str
@@ -189,7 +189,9 @@ class BlockLedger:
     def on_lookup(
         self, req_id: ReqId, owner: str | None, num_tokens: int, is_async: bool
     ) -> None:
-        entry = self._require(req_id, "lookup")
+        entry = self._entries.get(req_id)
+        if entry is None or entry.finished:  # per request: no _require frame
+            entry = self._require(req_id, "lookup")  # raises
         if entry.recv is RecvState.IN_FLIGHT:
             raise LedgerError(
                 f"{req_id}: looked up again while its receive is in flight"
@@ -200,7 +202,9 @@ class BlockLedger:
     def on_alloc(
         self, req_id: ReqId, num_blocks: int, num_external_tokens: int
     ) -> None:
-        entry = self._require(req_id, "alloc")
+        entry = self._entries.get(req_id)
+        if entry is None or entry.finished:  # per request: no _require frame
+            entry = self._require(req_id, "alloc")  # raises
         entry.num_blocks = num_blocks
         if num_external_tokens > 0 and entry.pending_async:
             if entry.recv is RecvState.IN_FLIGHT:
@@ -230,6 +234,7 @@ class BlockLedger:
         req_ids: Sequence[ReqId],
         computed_tokens: Sequence[int],
         new_block_ids: Sequence[tuple[list[int], ...] | None] | None,
+        scheduled: KeysView[ReqId] | None = None,
     ) -> list[tuple[ReqId, int, int]]:
         """The requests scheduled in an earlier step too that need
         :meth:`on_scheduled`'s check, as ``(req_id, computed_tokens,
@@ -239,10 +244,20 @@ class BlockLedger:
         before with nothing to check costs nothing here; its progress and
         blocks are vLLM's to keep (the guard reads them from the scheduler
         when it needs them). ``new_block_ids`` as vLLM's cached-request data
-        gives them (per request, per KV group, or None).
+        gives them (per request, per KV group, or None). ``scheduled``, the
+        keys of every request scheduled this step (vLLM's
+        ``num_scheduled_tokens``), makes the common answer -- none of them
+        is unsettled -- cost a look-up per unsettled entry instead of one
+        per running request.
         """
         unsettled = self._unsettled
-        if not unsettled or unsettled.isdisjoint(req_ids):
+        if not unsettled:
+            return []
+        if scheduled is not None:
+            # A keys view tests the smaller side against the larger.
+            if scheduled.isdisjoint(unsettled):
+                return []
+        elif unsettled.isdisjoint(req_ids):
             return []
         full_check = []
         for i, req_id in enumerate(req_ids):

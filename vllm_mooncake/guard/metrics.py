@@ -198,10 +198,13 @@ class GuardKVConnectorStats(KVConnectorStats):  # type: ignore[misc]
         """No counter moved and no gauge to set. Read from ``data`` as it is
         (vLLM asks after every step): what ``guard_stats.is_empty()`` says,
         without rebuilding the stats."""
-        if self.gauges_changed:
+        data = self.data
+        if data.get(GAUGES_CHANGED):
             return False
-        names = (*GuardStats.COUNTERS, "lateral_preemptions", *GuardStats.LABELED)
-        return not any(self.data.get(name) for name in names)
+        return not any(data.get(name) for name in _COUNTER_KEYS)
+
+
+_COUNTER_KEYS = (*GuardStats.COUNTERS, "lateral_preemptions", *GuardStats.LABELED)
 
 
 def guard_stats_report(

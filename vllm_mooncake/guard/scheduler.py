@@ -171,6 +171,7 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         # valve is off for a call).
         self._valve_base = _instance_attribute(manager, "allocate_slots")
         self._valve: Callable[..., KVCacheBlocks | None]
+        self._valve_on = False  # whether _arm_valve last put the valve on
 
         def allocate_slots(
             request: Request, *args: Any, **kwargs: Any
@@ -199,10 +200,13 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         Under ``only_when_idle`` a call that starts with requests running
         admits nothing laterally: vLLM's admission loop runs only when no
         running request was preempted in the same call, so ``running`` is
-        still non-empty when it runs.
+        still non-empty when it runs. That is the common call, and it costs
+        two reads here: the valve is already off.
         """
         config = self.wedge_guard.config
         armed = config.policy.lateral and not (config.only_when_idle and self.running)
+        if not armed and not self._valve_on:
+            return
         manager = self.kv_cache_manager
         shadow = _instance_attribute(manager, "allocate_slots")
         if shadow is not self._valve and shadow is not self._valve_base:
@@ -213,6 +217,7 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
             manager.allocate_slots = self._valve_base
         elif shadow is not None:
             del manager.allocate_slots  # vLLM's own method again
+        self._valve_on = bool(armed)
 
     def _install_full_sequence_valve(self) -> None:
         """0.19-0.20: the admission loop asks ``can_fit_full_sequence``
@@ -345,7 +350,8 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
     # ---- overrides (each calls super) -------------------------------------------
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         self._lateral_budget = self.wedge_guard.config.max_attempts
-        self._lateral_this_call = []
+        if self._lateral_this_call:  # an empty one is reused
+            self._lateral_this_call = []
         self._arm_valve()
         output = super().schedule(*args, **kwargs)
         self._after_schedule(output)
@@ -394,9 +400,12 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
     def add_request(self, request: Request) -> None:
         """Before 0.22 vLLM does not tell the connector of a new request
         (``on_new_request``): the guard's ledger is told here instead."""
+        if self._access.release.new_request_hook:
+            super().add_request(request)
+            return
         new = request.request_id not in self.requests
         super().add_request(request)
-        if new and not self._access.release.new_request_hook:
+        if new:
             self.wedge_guard.on_arrival(request.request_id)
 
     def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
@@ -472,13 +481,15 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
         """0.31+ promotion hook (see :meth:`_as_new_unless_executed`)."""
         ready = bool(super()._handle_blocked_waiting_request(request))
-        self._as_new_unless_executed(request)
+        if request.status == RequestStatus.PREEMPTED:  # else nothing to fix
+            self._as_new_unless_executed(request)
         return ready
 
     def _try_promote_blocked_waiting_request(self, request: Request) -> bool:
         """0.19-0.30 promotion hook (see :meth:`_as_new_unless_executed`)."""
         ready = bool(super()._try_promote_blocked_waiting_request(request))
-        self._as_new_unless_executed(request)
+        if request.status == RequestStatus.PREEMPTED:  # else nothing to fix
+            self._as_new_unless_executed(request)
         return ready
 
     def _as_new_unless_executed(self, request: Request) -> None:
@@ -491,13 +502,19 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
 
     # ---- observation: gauges, the WARNING line, the wedge alarm -----------------
     def _after_schedule(self, output: SchedulerOutput) -> None:
+        """Count the waiting holders for the gauges and the stall watch.
+
+        Counted, not viewed: no object per holder (the views are built only
+        for a log line), and vLLM's own predicate called directly.
+        """
         num_holders = recv_done = in_flight = blocks_held = 0
         get_blocks = self.kv_cache_manager.get_blocks
+        holds_blocks = self._access.holds_blocks_test()
         recv_done_ids = self.finished_recving_kv_req_ids
         waiting_for_kvs = RequestStatus.WAITING_FOR_REMOTE_KVS
         for queue in self._access.holder_queues():
             for request in queue:
-                if not self._access.holds_blocks(request):
+                if not holds_blocks(request):
                     continue
                 num_holders += 1
                 blocks = get_blocks(request.request_id).blocks

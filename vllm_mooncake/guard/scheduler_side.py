@@ -35,8 +35,8 @@ import operator
 import time
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from vllm_mooncake import logger_for
 from vllm_mooncake.compat.releases import kv_output_has_failed_recving
@@ -76,12 +76,13 @@ _DROPPED_KINDS = tuple(f.name for f in fields(DroppedNotices))
 _dropped_counts = operator.attrgetter(*_DROPPED_KINDS)
 
 
-@dataclass(frozen=True)
-class StepObservation:
+class StepObservation(NamedTuple):
     """What one ``schedule()`` call did, as the guard's gauges need it.
 
     The holder counts come from the scheduler's queues after the call; the
-    views themselves are built only when a log line names them.
+    views themselves are built only when a log line names them. A named
+    tuple: one is made per step, and a frozen dataclass costs a
+    ``object.__setattr__`` per field to make.
     """
 
     scheduled_tokens: int
@@ -337,7 +338,10 @@ class GuardSchedulerSide:
             )
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, computed, blocks in ledger.on_scheduled_again(
-            cached.req_ids, cached.num_computed_tokens, cached.new_block_ids
+            cached.req_ids,
+            cached.num_computed_tokens,
+            cached.new_block_ids,
+            scheduler_output.num_scheduled_tokens.keys(),
         ):
             self._scheduled(req_id, computed, blocks)
 
@@ -348,6 +352,10 @@ class GuardSchedulerSide:
             self._ledger_refused()
 
     def record_finished(self, req_id: str) -> None:
+        """vLLM freed ``req_id`` (or keeps it for its receive): see
+        :meth:`BlockLedger.on_finished`. A second call for the same request
+        (MultiConnector's all-groups finish goes through ``request_finished``)
+        finds nothing to do."""
         self.ledger.on_finished(req_id)
 
     # ---- receive notices ------------------------------------------------------------

@@ -66,8 +66,8 @@ class GuardStats:
         building a report. Every counter only grows, so any increment raises
         the total."""
         total = sum(_COUNTER_VALUES(self)) + sum(self.lateral_preemptions.values())
-        for name in self.LABELED:
-            total += sum(getattr(self, name).values())
+        for counter in _LABELED_COUNTERS(self):
+            total += sum(counter.values())
         return total, _GAUGE_VALUES(self)
 
     @classmethod
@@ -135,3 +135,4 @@ class GuardStats:
 
 _COUNTER_VALUES = operator.attrgetter(*GuardStats.COUNTERS)
 _GAUGE_VALUES = operator.attrgetter(*GuardStats.GAUGES)
+_LABELED_COUNTERS = operator.attrgetter(*GuardStats.LABELED)
