@@ -25,6 +25,7 @@ tokenizer is the generated tiny model's. ::
     python bench/serve_bench.py --kv-style nixl        # P->D over NIXL
     python bench/serve_bench.py --store                # Mooncake store mode
     python bench/serve_bench.py --connectors guard     # one side only
+    python bench/serve_bench.py --connectors stock,guard  # stock first
 
 A benchmark, not a test: nothing here fails on a threshold.
 """
@@ -336,10 +337,12 @@ def report(sides: Sequence[Side], args: argparse.Namespace) -> str:
     lines = [table(["side"] + [h for _, h, _ in FIGURES], body), ""]
     for s in sides:
         lines += side_notes(s)
-    if len(sides) == 2:
-        same = sides[0].children == sides[1].children and bool(sides[0].children)
+    by_name = {s.connector: s for s in sides}
+    if set(by_name) == set(SIDES):
+        guard, stock = by_name["guard"], by_name["stock"]
+        same = guard.children == stock.children and bool(guard.children)
         lines += ["", f"same child connectors on every rank: {same}"]
-        lines += ratio_lines(sides[0], sides[1], args)
+        lines += ratio_lines(guard, stock, args)
     return "\n".join(lines)
 
 
