@@ -142,8 +142,8 @@ class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
         """
         side: GuardSchedulerSide = self._side  # type: ignore[assignment]
         children = self._connectors
-        owner = side.owner_of(request.request_id)
-        for i in side.owner_first(request.request_id, len(children)):
+        owner, order = side.alloc_order(request.request_id, len(children))
+        for i in order:
             tokens = num_external_tokens if i == owner else 0
             children[i].update_state_after_alloc(request, blocks, tokens)
         side.record_alloc(request, blocks, num_external_tokens)

@@ -150,6 +150,8 @@ class GuardSchedulerSide:
         self._unstarted_recvs: set[str] = set()
         self._unstarted_blocks: set[int] = set()
         self._alloc_fault: ChildFault | None = None
+        # (owner or 0, number of children) -> owner_first's order
+        self._alloc_orders: dict[tuple[int, int], tuple[int, ...]] = {}
         self._last_lookup: tuple[str, int] = ("", 0)
         # The stall being watched: zero-token steps while holders wait, none
         # runs and no receive is in flight; its start on ``clock``.
@@ -222,12 +224,21 @@ class GuardSchedulerSide:
     def owner_first(self, req_id: str, num_children: int) -> list[int]:
         """Children in the order ``update_state_after_alloc`` must tell them:
         the owner of the load first, the others in config order."""
-        owner = self._requests_to_connector.get(req_id, -1)
+        return list(self.alloc_order(req_id, num_children)[1])
+
+    def alloc_order(
+        self, req_id: str, num_children: int
+    ) -> tuple[int | None, tuple[int, ...]]:
+        """The loading child of ``req_id`` (or None) and :meth:`owner_first`'s
+        order, in one call per allocation (the orders are made once)."""
+        owner = self._requests_to_connector.get(req_id)
         self._alloc_fault = None
-        order = list(range(num_children))
-        if owner > 0:
-            order.insert(0, order.pop(owner))
-        return order
+        key = (owner or 0, num_children)
+        order = self._alloc_orders.get(key)
+        if order is None:
+            rest = [i for i in range(num_children) if i != key[0]]
+            order = self._alloc_orders[key] = (key[0], *rest)
+        return owner, order
 
     def owner_of(self, req_id: str) -> int | None:
         """The child loading ``req_id`` (MultiConnector's choice or ours)."""
