@@ -177,12 +177,12 @@ def _w2(cluster: Cluster, decode: int, hold_s: float) -> WedgeRun:
     )
 
 
-def _assert_stock_wedged(run: WedgeRun) -> None:
+def _assert_stock_wedged(run: WedgeRun, hold_s: float = STOCK_HOLD_S) -> None:
     """After every load completed: nothing generated for the whole hold,
     nothing running, both requests waiting, /health 200."""
     assert not run.urgent.done and not run.holder.done, "stock finished: no wedge"
     assert run.prefill_leg.result is not None, run.prefill_leg.error
-    assert run.seconds >= STOCK_HOLD_S
+    assert run.seconds >= hold_s
     assert run.settled.generated == run.formed.generated, "tokens were generated"
     assert run.settled.running == 0
     assert run.settled.waiting == 2
@@ -267,8 +267,9 @@ def test_a_real_wedge_raises_the_alarm_in_vllms_log_format(
 ) -> None:
     """The guard without its valve (policy reserve) wedges like stock; the
     alarm fires once the stall has lasted stall_alarm_s."""
-    run = _w1(store_cluster, ALARM, STALL_ALARM_S + 6)
-    _assert_stock_wedged_briefly(run)
+    hold_s = STALL_ALARM_S + 6
+    run = _w1(store_cluster, ALARM, hold_s)
+    _assert_stock_wedged(run, hold_s)
     assert run.delta(WEDGE_COUNTER) == 1
     log = _log(store_cluster, ALARM)
     assert ALARM_LINE.search(log)
@@ -276,12 +277,6 @@ def test_a_real_wedge_raises_the_alarm_in_vllms_log_format(
         "hold 5 KV blocks, none runs and no receive is in flight; policy=reserve" in log
     )
     wait_idle(store_cluster.decode_urls[ALARM], timeout=60)
-
-
-def _assert_stock_wedged_briefly(run: WedgeRun) -> None:
-    assert not run.urgent.done and not run.holder.done
-    assert run.settled.generated == run.formed.generated
-    assert run.settled.running == 0 and run.settled.waiting == 2
 
 
 # ---- W2: a store load that fails entirely, kv_load_failure_policy=recompute --------

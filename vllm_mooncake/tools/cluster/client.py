@@ -130,7 +130,13 @@ def metric_names(samples: Iterable[Sample]) -> set[str]:
 
 
 def scrape(base_url: str) -> list[Sample]:
-    return parse_metrics(get_text(f"{base_url}/metrics"))
+    """A vLLM server's ``/metrics``."""
+    return scrape_url(f"{base_url}/metrics")
+
+
+def scrape_url(url: str) -> list[Sample]:
+    """Samples of any Prometheus endpoint (mooncake_master's, the router's)."""
+    return parse_metrics(get_text(url))
 
 
 # What a NIXL-style PD proxy sends the prefill leg (vLLM's toy proxy, and

@@ -304,14 +304,13 @@ def start_store_segment(
     state: Run, spec: ClusterSpec, cpu: bool, env: dict[str, str], timeout: float = 60
 ) -> Proc:
     """Start the store's segment owner and wait until its memory is mounted."""
-    from vllm_mooncake.tools.cluster.client import get_text, metric_total, parse_metrics
+    from vllm_mooncake.tools.cluster.client import metric_total, scrape_url
 
     metrics = f"http://{HOST}:{spec.ports.store_master_metrics}/metrics"
     seg = state.start(STORE_SEGMENT, layout.store_segment_argv(spec, cpu), env, metrics)
     deadline = time.monotonic() + timeout
     while True:
-        samples = parse_metrics(get_text(metrics))
-        if metric_total(samples, STORE_METRIC_CAPACITY) > 0:
+        if metric_total(scrape_url(metrics), STORE_METRIC_CAPACITY) > 0:
             return seg
         if not seg.leader_alive() or time.monotonic() > deadline:
             raise StartupError(

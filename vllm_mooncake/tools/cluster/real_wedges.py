@@ -55,11 +55,10 @@ from vllm_mooncake.tools.cluster.client import (
     Completion,
     Sample,
     complete,
-    get_text,
     metric_total,
     mooncake_legs,
-    parse_metrics,
     scrape,
+    scrape_url,
 )
 from vllm_mooncake.tools.cluster.procs import http_ok
 
@@ -168,11 +167,6 @@ def seed_store(prefill_url: str, prompt: list[int], store_metrics_url: str) -> N
 def _puts_done(store_metrics_url: str) -> float:
     samples = scrape_url(store_metrics_url)
     return sum(metric_total(samples, name) for name in STORE_PUTS_DONE)
-
-
-def scrape_url(url: str) -> list[Sample]:
-    """Samples of any Prometheus endpoint (``scrape`` takes a server's base)."""
-    return parse_metrics(get_text(url))
 
 
 @dataclass
