@@ -28,7 +28,7 @@ from vllm_mooncake.tools.cluster.local import (
     down,
     reference_server,
     run_dir,
-    up,
+    running,
 )
 from vllm_mooncake.tools.cluster.local import free_base_port as local_free_base_port
 from vllm_mooncake.tools.cluster.procs import Run
@@ -130,11 +130,5 @@ def cluster(
     run = f"{RUN}-{style}"
     if Run(run_dir(run)).live():
         down(run)  # a previous session's leftovers (e.g. a killed pytest)
-    started = up(replace(spec, kv_style=style), run=run, timeout=900)
-    recorded = Run(started.run_dir).procs
-    try:
+    with running(replace(spec, kv_style=style), run, timeout=900) as started:
         yield started
-    finally:
-        started.stop()
-        left = {p.name: p.members() for p in recorded if p.members()}
-        assert not left, f"processes left after stop: {left}"

@@ -53,8 +53,8 @@ from vllm_mooncake.tools.cluster.local import (
     free_base_port,
     reference_server,
     run_dir,
+    running,
     stop_store_segment,
-    up,
 )
 from vllm_mooncake.tools.cluster.procs import Run
 from vllm_mooncake.tools.cluster.real_wedges import (
@@ -140,14 +140,8 @@ def store_cluster(
     for other in ("e2e-mooncake", "e2e-nixl", RUN):
         if Run(run_dir(other)).live():
             down(other)  # never two clusters at once on this machine
-    started = up(store_spec, run=RUN, timeout=900)
-    recorded = Run(started.run_dir).procs
-    try:
+    with running(store_spec, RUN, timeout=900) as started:
         yield started
-    finally:
-        started.stop()
-        left = {p.name: p.members() for p in recorded if p.members()}
-        assert not left, f"processes left after stop: {left}"
 
 
 def _store_metrics(cluster: Cluster) -> str:

@@ -328,6 +328,21 @@ def stop_store_segment(cluster: Cluster, timeout: float = 30.0) -> list[str]:
 
 
 @contextlib.contextmanager
+def running(spec: ClusterSpec, run: str, timeout: float = 600.0) -> Iterator[Cluster]:
+    """``up``, yield the cluster, stop it; raise if any process it started
+    (vLLM's engine cores and workers included) outlived the stop."""
+    started = up(spec, run=run, timeout=timeout)
+    recorded = Run(started.run_dir).procs
+    try:
+        yield started
+    finally:
+        started.stop()
+        left = {p.name: p.members() for p in recorded if p.members()}
+        if left:
+            raise RuntimeError(f"processes left after stop: {left}")
+
+
+@contextlib.contextmanager
 def reference_server(
     spec: ClusterSpec, run: str = "reference", timeout: float = 600.0
 ) -> Iterator[str]:
