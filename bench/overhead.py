@@ -22,6 +22,9 @@ own frames that cost the most. ::
 
     python bench/overhead.py                       # 256 and 1024, 40 x 50 steps
     python bench/overhead.py --sizes 256 --quick   # 3 rounds x 20 steps
+    # a wedge_guard field per variant, after a slash:
+    python bench/overhead.py --variants \\
+        stock,reserve+lateral,reserve+lateral/gauge_interval_s=0
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import argparse
 import cProfile
 import gc
 import io
+import json
 import pstats
 import random
 import statistics
@@ -83,6 +87,12 @@ def request_params(index: int) -> tuple[int, int, dict[str, Any]]:
     return prompt, output, pd_transfer(rng.randint(1, 4))
 
 
+def _field(override: str) -> tuple[str, Any]:
+    """``gauge_interval_s=0`` -> ("gauge_interval_s", 0): a wedge_guard field."""
+    key, _, value = override.partition("=")
+    return key, json.loads(value)
+
+
 class Variant:
     """One scheduler under test, fed its own copy of the closed loop."""
 
@@ -96,7 +106,13 @@ class Variant:
             max_num_seqs=concurrency,
             max_num_batched_tokens=4096,
         )
-        config = scripted_multi() if name == STOCK else guarded(name, strict=False)
+        policy, *overrides = name.split("/")
+        fields = dict(_field(o) for o in overrides)
+        config = (
+            scripted_multi()
+            if name == STOCK
+            else guarded(policy, strict=False, **fields)
+        )
         self.name = name
         self.driver = SchedulerDriver.build(shape, config)
         self.driver.keep_steps = False

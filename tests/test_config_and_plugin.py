@@ -22,6 +22,9 @@ def test_defaults() -> None:
     config = GuardConfig.from_extra_config({"connectors": []})
     assert config.policy is Policy.RESERVE_LATERAL
     assert config.max_attempts == 16
+    assert config.gauge_interval_s == 0.1
+    every_step = GuardConfig.from_extra_config({"wedge_guard": {"gauge_interval_s": 0}})
+    assert every_step.gauge_interval_s == 0.0
 
 
 @pytest.mark.parametrize(
@@ -36,6 +39,7 @@ def test_defaults() -> None:
         ({"stall_alarm_steps": -1}, "wedge_guard.stall_alarm_steps", "out of range"),
         ({"stall_alarm_s": 0}, "wedge_guard.stall_alarm_s", "use 0.01..86400"),
         ({"stall_alarm_s": "10s"}, "wedge_guard.stall_alarm_s", "number of seconds"),
+        ({"gauge_interval_s": -1}, "wedge_guard.gauge_interval_s", "use 0..86400"),
         ({"polcy": "lateral"}, "wedge_guard.polcy", "unknown field"),
         ("lateral", "wedge_guard", "expected a JSON object"),
     ],

@@ -242,6 +242,45 @@ def test_w1_under_reserve_raises_the_wedge_alarm(
     assert value(parsed, "vllm:kv_guard_recv_done_holders_waiting") == 1
 
 
+# ---- the holder gauges on a busy rank ---------------------------------------------
+def _busy_rank_with_a_holder(interval: float) -> tuple[SchedulerDriver, list[float]]:
+    """R decodes; H then waits for a P->D receive that lands after 6 steps."""
+    d = SchedulerDriver.build(W1.shape, guarded(gauge_interval_s=interval))
+    now = [0.0]
+    connector_of(d).scheduler_side.clock = lambda: now[0]
+    d.add("R", 64, max_tokens=40)
+    for _ in range(3):
+        d.step()
+    d.add("H", 64, max_tokens=4, kv_transfer_params=pd_transfer(6))
+    d.step()  # H allocated, its receive in flight; R still decodes
+    assert d.scheduler.requests["H"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    return d, now
+
+
+def test_busy_steps_recount_the_holder_gauges_once_per_interval() -> None:
+    """While R decodes, H's blocks show once gauge_interval_s has passed
+    (the clock is frozen in between), and 0 on the step H leaves, with no
+    time passed: empty queues are always counted."""
+    d, now = _busy_rank_with_a_holder(interval=0.1)
+    stats = connector_of(d).scheduler_side.stats
+    d.step()
+    assert stats.blocks_held_by_non_running == 0  # not recounted yet
+    now[0] += 0.1
+    d.step()
+    held = stats.blocks_held_by_non_running
+    assert held == len(d.scheduler.kv_cache_manager.get_block_ids("H")[0]) > 0
+    while d.scheduler.requests["H"].status != RequestStatus.RUNNING:
+        d.step()
+        assert d.scheduler.running
+    assert stats.blocks_held_by_non_running == 0
+
+
+def test_gauge_interval_zero_recounts_every_step() -> None:
+    d, _ = _busy_rank_with_a_holder(interval=0.0)
+    d.step()
+    assert connector_of(d).scheduler_side.stats.blocks_held_by_non_running > 0
+
+
 # ---- the stats object ---------------------------------------------------------
 def test_guard_stats_payload_aggregates_counters_and_keeps_newest_gauges() -> None:
     older = GuardStats(wedges_resolved=1, stalled_steps=5)

@@ -164,3 +164,39 @@ def test_the_alarm_fires_after_stall_alarm_s_on_a_slow_stepping_engine() -> None
         side.observe_step(stalled, lambda: holders)
         now[0] += 2.0
     assert side.stats.wedges_detected == 1
+
+
+def test_a_busy_step_recounts_the_holders_once_per_gauge_interval() -> None:
+    """While tokens flow the holder gauges are recounted at most every
+    gauge_interval_s; with no holder possible (empty queues) always."""
+    now = [50.0]
+    side, _ = _side(gauge_interval_s=0.1)
+    side.clock = lambda: now[0]
+    assert side.census_due(holders_may_wait=True)  # never counted yet
+    holders = [_recv_done("B", 50)]
+    side.observe_step(StepObservation.of(8, 1, (), holders), lambda: holders)
+    assert side.stats.blocks_held_by_non_running == 50
+    now[0] += 0.05
+    assert not side.census_due(holders_may_wait=True)
+    assert side.census_due(holders_may_wait=False)
+    now[0] += 0.06
+    assert side.census_due(holders_may_wait=True)
+    # Every step, with 0.
+    every, _ = _side(gauge_interval_s=0.0)
+    every.clock = lambda: now[0]
+    every.observe_step(StepObservation.of(8, 1, (), holders), lambda: holders)
+    assert every.census_due(holders_may_wait=True)
+
+
+def test_a_busy_step_that_is_not_recounted_still_ends_a_stall() -> None:
+    side, _ = _side(stall_alarm_steps=3)
+    holders = [_recv_done("B", 50)]
+    for _ in range(2):
+        side.observe_step(StepObservation.of(0, 0, (), holders), lambda: holders)
+    assert side.stats.stalled_steps == 2
+    side.observe_busy_step()
+    assert side.stats.stalled_steps == 0
+    assert side.stats.blocks_held_by_non_running == 50  # gauges as last counted
+    for _ in range(2):  # a new stall: 2 steps, under the 3 of the alarm
+        side.observe_step(StepObservation.of(0, 0, (), holders), lambda: holders)
+    assert side.stats.wedges_detected == 0

@@ -8,7 +8,8 @@
          "connectors": [<Mooncake child>, <NIXL child>],
          "wedge_guard": {"policy": "reserve+lateral", "max_attempts": 16,
                          "stall_alarm_steps": 2000, "only_when_idle": true,
-                         "max_failed_loads": 3, "strict": false}}}
+                         "max_failed_loads": 3, "gauge_interval_s": 0.1,
+                         "strict": false}}}
 
 Every error names the field and says how to fix it, and is raised at start-up
 (when vLLM builds the connector), before any request is accepted.
@@ -20,7 +21,7 @@ import difflib
 import enum
 import importlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_mooncake import names_guard_connector
@@ -84,8 +85,21 @@ class GuardConfig:
     # that keeps failing a load under kv_load_failure_policy=recompute would
     # otherwise be offered it forever.
     max_failed_loads: int = 3
+    # How old the holder gauges (recv-done holders waiting, blocks held by
+    # non-running requests) may get while tokens are scheduled: they are
+    # recounted at most this often then. A step that schedules nothing --
+    # the step a wedge is made of -- always recounts them, and so does a
+    # step whose waiting queues are empty. 0: every step.
+    gauge_interval_s: float = 0.1
     # Raise on a ledger inconsistency instead of logging it (tests).
     strict: bool = False
+    # policy.lateral and policy.reserves, read on every step (set from policy).
+    valve: bool = field(init=False, repr=False, compare=False)
+    reserves: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "valve", self.policy.lateral)
+        object.__setattr__(self, "reserves", self.policy.reserves)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> GuardConfig:
@@ -105,6 +119,7 @@ class GuardConfig:
             "stall_alarm_s",
             "only_when_idle",
             "max_failed_loads",
+            "gauge_interval_s",
             "strict",
         }
         unknown = sorted(set(raw) - known)
@@ -125,6 +140,9 @@ class GuardConfig:
             only_when_idle=_bool(raw, "only_when_idle", cls.only_when_idle),
             max_failed_loads=_int_in(
                 raw, "max_failed_loads", cls.max_failed_loads, *MAX_FAILED_LOADS_RANGE
+            ),
+            gauge_interval_s=_seconds(
+                raw, "gauge_interval_s", cls.gauge_interval_s, lowest=0.0
             ),
             strict=_bool(raw, "strict", cls.strict),
         )
@@ -162,16 +180,18 @@ def _int_in(raw: Mapping[str, Any], name: str, default: int, lo: int, hi: int) -
     return value
 
 
-def _seconds(raw: Mapping[str, Any], name: str, default: float) -> float:
+def _seconds(
+    raw: Mapping[str, Any], name: str, default: float, lowest: float = 0.01
+) -> float:
     value = raw.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise GuardConfigError(
             f"{FIELD_PREFIX}.{name}: expected a number of seconds, got {value!r} "
             f"({type(value).__name__}); write e.g. {default}"
         )
-    if not 0.01 <= value <= 86400:
+    if not lowest <= value <= 86400:
         raise GuardConfigError(
-            f"{FIELD_PREFIX}.{name}: {value} is out of range; use 0.01..86400"
+            f"{FIELD_PREFIX}.{name}: {value} is out of range; use {lowest:g}..86400"
         )
     return float(value)
 

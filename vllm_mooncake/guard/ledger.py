@@ -76,7 +76,7 @@ class VictimReason(enum.Enum):
     PROMOTED_IDLE = "promoted_idle"
 
 
-@dataclass
+@dataclass(slots=True)
 class LedgerEntry:
     req_id: ReqId
     arrival: int  # arrival order, 0-based
@@ -213,7 +213,10 @@ class BlockLedger:
                 )
             entry.recv = RecvState.IN_FLIGHT
         entry.pending_async = False
-        self._track(entry)
+        if entry.executed and entry.recv is RecvState.NONE:  # _track, inlined:
+            self._unsettled.discard(req_id)  # on every allocation
+        else:
+            self._unsettled.add(req_id)
 
     def on_scheduled(
         self, req_id: ReqId, computed_tokens: int, num_blocks: int

@@ -86,6 +86,17 @@ def _instance_attribute(obj: object, name: str) -> Any:
     return None if found == unshadowed else found
 
 
+def _reports_loads(kv_output: KVConnectorOutput) -> bool:
+    """Whether a worker output says anything of loads: a receive that
+    finished or failed, or blocks a load did not fill. Most steps' say
+    nothing, and the guard then has nothing to filter or count."""
+    return bool(
+        kv_output.finished_recving
+        or getattr(kv_output, "failed_recving", None)
+        or kv_output.invalid_block_ids
+    )
+
+
 def _require_supported_vllm() -> None:
     """Fail at start-up, by name, if this vLLM moved what the guard touches."""
     from vllm_mooncake.compat.internals import missing_internals
@@ -204,7 +215,7 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         two reads here: the valve is already off.
         """
         config = self.wedge_guard.config
-        armed = config.policy.lateral and not (config.only_when_idle and self.running)
+        armed = config.valve and not (config.only_when_idle and self.running)
         if not armed and not self._valve_on:
             return
         manager = self.kv_cache_manager
@@ -244,7 +255,7 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
 
     def _may_preempt_for(self, request: Request) -> bool:
         config = self.wedge_guard.config
-        if not config.policy.lateral:
+        if not config.valve:
             return False
         if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             return False  # RUNNING: the running loop's own preemption applies
@@ -363,21 +374,31 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         """Filter receive notices before vLLM reads ``failed_recving``, and
         report loads a raising child never started (guard/containment.py)."""
         kv_output = getattr(model_runner_output, "kv_connector_output", None)
-        if kv_output is None and self.wedge_guard.has_unstarted_loads():
+        unstarted = self.wedge_guard.has_unstarted_loads()
+        if kv_output is None and unstarted:
             # A copy: the output may be vLLM's shared EMPTY_MODEL_RUNNER_OUTPUT.
             kv_output = KVConnectorOutput()
             model_runner_output = copy(model_runner_output)
             model_runner_output.kv_connector_output = kv_output
-        if kv_output is not None:
-            received = set(kv_output.finished_recving or ())
-            self.wedge_guard.filter_recv_notices(kv_output, self._awaits_recv_notice)
-            if not self._access.release.failed_recving:
-                self._drop_invalid_blocks_of_dropped_notices(kv_output, received)
-            self.wedge_guard.record_failed_loads(self._failed_loads(kv_output))
+        if kv_output is not None and (unstarted or _reports_loads(kv_output)):
+            self._filter_load_reports(kv_output)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self._finished_mid_recv:
             self._finished_mid_recv &= self.requests.keys()
         return outputs
+
+    def _filter_load_reports(self, kv_output: KVConnectorOutput) -> None:
+        """Drop duplicate and late receive notices (never one vLLM awaits)
+        and count the failed loads, before vLLM reads the output."""
+        if self._access.release.failed_recving:
+            self.wedge_guard.filter_recv_notices(kv_output, self._awaits_recv_notice)
+        else:
+            received = set(kv_output.finished_recving or ())
+            self.wedge_guard.filter_recv_notices(kv_output, self._awaits_recv_notice)
+            self._drop_invalid_blocks_of_dropped_notices(kv_output, received)
+        failed = self._failed_loads(kv_output)
+        if failed:
+            self.wedge_guard.record_failed_loads(failed)
 
     def _drop_invalid_blocks_of_dropped_notices(
         self, kv_output: KVConnectorOutput, received: set[str]
@@ -474,7 +495,7 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         return failed
 
     def _inflight_prefill_reserved_blocks(self) -> int:
-        if not self.wedge_guard.config.policy.reserves:
+        if not self.wedge_guard.config.reserves:
             return 0
         return int(super()._inflight_prefill_reserved_blocks())
 
@@ -502,6 +523,25 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
 
     # ---- observation: gauges, the WARNING line, the wedge alarm -----------------
     def _after_schedule(self, output: SchedulerOutput) -> None:
+        """Gauges and the stall watch, once per ``schedule()`` call.
+
+        A busy call (tokens scheduled, or requests running) is no stall; it
+        recounts the waiting holders only when their gauges are due (see
+        :meth:`GuardSchedulerSide.census_due`). A call that scheduled
+        nothing, or made a lateral preemption, always recounts.
+        """
+        busy = output.total_num_scheduled_tokens > 0 or bool(self.running)
+        side = self.wedge_guard
+        if (
+            busy
+            and not self._lateral_this_call
+            and not side.census_due(any(self._access.holder_queues()))
+        ):
+            side.observe_busy_step()
+            return
+        self._count_holders(output)
+
+    def _count_holders(self, output: SchedulerOutput) -> None:
         """Count the waiting holders for the gauges and the stall watch.
 
         Counted, not viewed: no object per holder (the views are built only

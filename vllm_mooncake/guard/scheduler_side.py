@@ -23,7 +23,8 @@ Two audiences, two small APIs:
 * the guarded scheduler asks and reports: :meth:`pick_victim`,
   :meth:`on_lateral_preemption`, :meth:`filter_recv_notices`,
   :meth:`record_failed_loads`, :meth:`has_unstarted_loads`,
-  :meth:`has_executed`, :meth:`observe_step`.
+  :meth:`has_executed`, :meth:`census_due`, :meth:`observe_step`,
+  :meth:`observe_busy_step`.
 
 Nothing here imports vLLM's scheduler: requests, blocks and outputs are
 read by attribute, so the class runs in unit tests with plain objects.
@@ -31,6 +32,7 @@ read by attribute, so the class runs in unit tests with plain objects.
 
 from __future__ import annotations
 
+import math
 import operator
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -159,6 +161,8 @@ class GuardSchedulerSide:
         self._stall_since = 0.0
         self._alarm_raised = False
         self.clock: Callable[[], float] = time.monotonic
+        # When observe_step last counted the holders (census_due).
+        self._last_census = -math.inf
         # Requests whose ledger disagreement was logged (once per request).
         self._disagreement_logged: dict[str, None] = {}
 
@@ -256,7 +260,7 @@ class GuardSchedulerSide:
         load would otherwise be offered it forever). Counted and logged once
         per request and child.
         """
-        if not num_tokens or owner is None or not self.config.policy.lateral:
+        if not num_tokens or owner is None or not self.config.valve:
             return True  # reserve / no-reserve: upstream's behaviour
         child = self.router.names[owner]
         failures = self.ledger.failed_loads(req_id, child)
@@ -394,7 +398,8 @@ class GuardSchedulerSide:
         if connector_output is self._filtered_output:
             return
         self._filtered_output = connector_output
-        self._report_unstarted_loads(connector_output)
+        if self._unstarted_recvs or self._unstarted_blocks:
+            self._report_unstarted_loads(connector_output)
         # Before 0.30 a failed receive is a finished one with invalid blocks.
         failed: AbstractSet[str] = (
             getattr(connector_output, "failed_recving", None) or _NO_IDS
@@ -499,13 +504,37 @@ class GuardSchedulerSide:
     def note_attempts_exhausted(self) -> None:
         self.stats.attempts_exhausted += 1
 
+    def census_due(self, holders_may_wait: bool) -> bool:
+        """Whether a busy step (one that scheduled tokens or runs requests)
+        recounts the waiting holders for :meth:`observe_step`.
+
+        Only once ``gauge_interval_s`` has passed since the last count: the
+        holder gauges are then at most that old while tokens flow, and a
+        busy step, which cannot be a stall, costs nothing here. Always when
+        no holder can be waiting (``holders_may_wait`` False: the queues
+        are empty), so the gauges reach 0 on the step the last holder left,
+        even if the engine then goes idle. The caller counts every step
+        that scheduled nothing: that is the step a wedge is made of.
+        """
+        if not holders_may_wait:
+            return True
+        return self.clock() - self._last_census >= self.config.gauge_interval_s
+
+    def observe_busy_step(self) -> None:
+        """A busy step whose holders were not recounted: no stall, gauges kept."""
+        self._stall_steps = self.stats.stalled_steps = 0
+        self._alarm_raised = False
+
     def observe_step(
         self, step: StepObservation, views: Callable[[], Sequence[HolderView]]
     ) -> None:
-        """Gauges, the resolution WARNING and the wedge alarm, once per step.
+        """Gauges, the resolution WARNING and the wedge alarm, from a step
+        whose holders were counted (every step that scheduled nothing; a
+        busy one when :meth:`census_due`).
 
         ``views`` builds the holders' views; called only for a log line.
         """
+        self._last_census = self.clock()
         stats = self.stats
         stats.recv_done_holders_waiting = step.recv_done_holders
         stats.blocks_held_by_non_running = step.blocks_held
