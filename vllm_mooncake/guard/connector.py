@@ -164,18 +164,25 @@ class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
         side.end_output()
         super().update_connector_output(connector_output)
 
+    # The request whose finish request_finished recorded last: MultiConnector's
+    # all-groups finish goes through request_finished when a child lacks HMA.
+    _finish_recorded: str | None = None
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         result = super().request_finished(request, block_ids)
         self._side.record_finished(request.request_id)  # type: ignore[union-attr]
+        self._finish_recorded = request.request_id
         return result  # type: ignore[no-any-return]
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        self._finish_recorded = None
         result = super().request_finished_all_groups(request, block_ids)
-        self._side.record_finished(request.request_id)  # type: ignore[union-attr]
+        if self._finish_recorded != request.request_id:  # not yet, by the above
+            self._side.record_finished(request.request_id)  # type: ignore[union-attr]
         return result  # type: ignore[no-any-return]
 
     # ---- stats export: vLLM's KV-connector stats and Prometheus path --------------
