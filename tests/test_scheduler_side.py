@@ -194,7 +194,7 @@ def test_a_busy_step_that_is_not_recounted_still_ends_a_stall() -> None:
     for _ in range(2):
         side.observe_step(StepObservation.of(0, 0, (), holders), lambda: holders)
     assert side.stats.stalled_steps == 2
-    side.observe_busy_step()
+    side.note_no_stall()
     assert side.stats.stalled_steps == 0
     assert side.stats.blocks_held_by_non_running == 50  # gauges as last counted
     for _ in range(2):  # a new stall: 2 steps, under the 3 of the alarm

@@ -88,8 +88,8 @@ def _instance_attribute(obj: object, name: str) -> Any:
 
 def _reports_loads(kv_output: KVConnectorOutput) -> bool:
     """Whether a worker output says anything of loads: a receive that
-    finished or failed, or blocks a load did not fill. Most steps' say
-    nothing, and the guard then has nothing to filter or count."""
+    finished or failed, or blocks a load did not fill. Most steps' outputs
+    say nothing, and the guard then has nothing to filter or count."""
     return bool(
         kv_output.finished_recving
         or getattr(kv_output, "failed_recving", None)
@@ -390,11 +390,14 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
     def _filter_load_reports(self, kv_output: KVConnectorOutput) -> None:
         """Drop duplicate and late receive notices (never one vLLM awaits)
         and count the failed loads, before vLLM reads the output."""
-        if self._access.release.failed_recving:
-            self.wedge_guard.filter_recv_notices(kv_output, self._awaits_recv_notice)
-        else:
-            received = set(kv_output.finished_recving or ())
-            self.wedge_guard.filter_recv_notices(kv_output, self._awaits_recv_notice)
+        # Before 0.30 a dropped notice's failure is in invalid_block_ids.
+        received = (
+            None
+            if self._access.release.failed_recving
+            else set(kv_output.finished_recving or ())
+        )
+        self.wedge_guard.filter_recv_notices(kv_output, self._awaits_recv_notice)
+        if received is not None:
             self._drop_invalid_blocks_of_dropped_notices(kv_output, received)
         failed = self._failed_loads(kv_output)
         if failed:
@@ -537,7 +540,7 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
             and not self._lateral_this_call
             and not side.census_due(any(self._access.holder_queues()))
         ):
-            side.observe_busy_step()
+            side.note_no_stall()
             return
         self._count_holders(output)
 

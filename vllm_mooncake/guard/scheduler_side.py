@@ -24,7 +24,7 @@ Two audiences, two small APIs:
   :meth:`on_lateral_preemption`, :meth:`filter_recv_notices`,
   :meth:`record_failed_loads`, :meth:`has_unstarted_loads`,
   :meth:`has_executed`, :meth:`census_due`, :meth:`observe_step`,
-  :meth:`observe_busy_step`.
+  :meth:`note_no_stall`.
 
 Nothing here imports vLLM's scheduler: requests, blocks and outputs are
 read by attribute, so the class runs in unit tests with plain objects.
@@ -520,8 +520,9 @@ class GuardSchedulerSide:
             return True
         return self.clock() - self._last_census >= self.config.gauge_interval_s
 
-    def observe_busy_step(self) -> None:
-        """A busy step whose holders were not recounted: no stall, gauges kept."""
+    def note_no_stall(self) -> None:
+        """This step is no stall: the stall watch starts over (the alarm
+        re-arms); the gauges keep their last count."""
         self._stall_steps = self.stats.stalled_steps = 0
         self._alarm_raised = False
 
@@ -548,8 +549,7 @@ class GuardSchedulerSide:
             and not step.recv_in_flight
         )
         if not stalled:
-            self._stall_steps = stats.stalled_steps = 0
-            self._alarm_raised = False
+            self.note_no_stall()
             return
         if self._stall_steps == 0:
             self._stall_since = self.clock()
