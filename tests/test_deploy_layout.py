@@ -141,6 +141,51 @@ def test_only_prefills_name_their_loopback_bootstrap_server() -> None:
     assert bootstrap("decode-0") is None
 
 
+@pytest.mark.parametrize("version", ["0.19.1", "0.22.1", "0.28.0", "0.31.0"])
+def test_before_032_each_prefill_serves_its_own_bootstrap_on_the_same_port(
+    version: str,
+) -> None:
+    """vLLM before 0.32 has no ``bootstrap_server_address``: the launcher
+    starts no bootstrap of its own, the prefill's engine serves it on the
+    port the router is told, and decodes get no such variable."""
+    spec = ClusterSpec(shape="2p2d", base_port=21000, vllm_version=version)
+    ranks = _by_name(spec)
+    assert not spec.external_bootstrap
+    for name in ("prefill-0", "prefill-1"):
+        cfg = layout.kv_transfer_config(spec, ranks[name], True)
+        mc = cfg["kv_connector_extra_config"]["connectors"][0]
+        assert "bootstrap_server_address" not in mc["kv_connector_extra_config"]
+    env = layout.release_env(spec, ranks["prefill-1"])
+    assert env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] == "21301"
+    assert "VLLM_MOONCAKE_BOOTSTRAP_PORT" not in layout.release_env(
+        spec, ranks["decode-0"]
+    )
+    router = layout.router_argv(spec, list(ranks.values()))
+    assert router[router.index("http://127.0.0.1:21101") + 1] == "21301"
+    on_032 = ClusterSpec(shape="2p2d", base_port=21000, vllm_version="0.32.0")
+    assert on_032.external_bootstrap
+    assert layout.release_env(on_032, ranks["prefill-1"]) == {}
+
+
+@pytest.mark.parametrize(
+    ("version", "store", "seeded"),
+    [
+        ("0.22.1", True, True),
+        ("0.28.0", True, True),
+        ("0.29.0", True, False),  # sha256 gets a fixed seed from 0.29
+        ("0.32.0", True, False),
+        ("0.22.1", False, False),  # no store: nothing to share
+    ],
+)
+def test_store_mode_shares_one_prefix_hash_seed_where_the_release_needs_it(
+    version: str, store: bool, seeded: bool
+) -> None:
+    spec = ClusterSpec(shape="1p2d", store=store, vllm_version=version)
+    envs = [layout.release_env(spec, r) for r in layout.ranks(spec, None)]
+    seeds = {env.get("PYTHONHASHSEED") for env in envs}
+    assert seeds == ({"0"} if seeded else {None})
+
+
 def test_cpu_server_command_is_the_api_module_on_loopback() -> None:
     spec = ClusterSpec(decode_blocks=5, server_args=("--seed", "1"))
     ranks = _by_name(spec)

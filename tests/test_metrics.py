@@ -35,7 +35,11 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from vllm_mooncake import CONNECTOR_NAME
 from vllm_mooncake.guard.connector import WedgeGuardConnector
-from vllm_mooncake.guard.metrics import GUARD_STATS_KEY, GuardKVConnectorStats
+from vllm_mooncake.guard.metrics import (
+    GUARD_STATS_KEY,
+    GuardKVConnectorStats,
+    rebuild_guard_entry,
+)
 from vllm_mooncake.guard.stats import GuardStats
 from vllm_mooncake.testing.configs import guarded, pd_transfer, store_hit
 from vllm_mooncake.testing.driver import SchedulerDriver, StepResult
@@ -200,6 +204,42 @@ def test_w1_through_vllm_prometheus_stat_logger() -> None:
         == 1
     )
     assert value(parsed, "vllm:kv_guard_wedges_resolved_total", model_name=model) == 1
+
+
+def test_each_step_carries_what_the_guard_did_in_it() -> None:
+    """The step of the lateral preemption reports it, and every step whose
+    gauges moved reports them -- not a later step that happens to carry a
+    worker's transfer stats (vLLM before 0.24 asks the connector only then;
+    on a real server a preemption showed up seconds late). The scripted
+    workers here report no stats of their own."""
+    d = SchedulerDriver.build(W1.shape, guarded())
+    side = connector_of(d).scheduler_side
+    encoder, decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
+    before = [GuardStats()]
+    reported_steps: list[int] = []
+
+    def check(result: StepResult) -> None:
+        now = GuardStats.from_dict(side.stats.to_dict())
+        payload: dict[str, Any] = {}
+        for outputs in result.engine_outputs.values():
+            stats = decoder.decode(encoder.encode(outputs)).scheduler_stats
+            if stats is not None and stats.kv_connector_stats:
+                payload = stats.kv_connector_stats
+        moved = now.fingerprint() != before[0].fingerprint()
+        assert bool(payload) == moved, f"step {result.index}: moved={moved}"
+        if moved:
+            rest, report = rebuild_guard_entry(payload)
+            assert report is not None and rest == {}
+            lateral = report.guard_stats.total_lateral_preemptions
+            earlier = before[0].total_lateral_preemptions
+            assert lateral == now.total_lateral_preemptions - earlier
+            assert report.guard_stats.stalled_steps == now.stalled_steps
+            reported_steps.append(result.index)
+        before[0] = now
+
+    play(d, W1, max_steps=300, after_step=check)
+    assert side.stats.total_lateral_preemptions == 1
+    assert len(reported_steps) >= 2
 
 
 # ---- the log lines ------------------------------------------------------------

@@ -52,9 +52,11 @@ PUBLIC = {
         "SUPPORTED_VLLM",
         "UnsupportedVllmVersion",
         "check_vllm_version",
+        "installed_vllm_dist_version",
         "installed_vllm_version",
         "series",
     },
+    "vllm_mooncake.compat.servers": {"PREFIX_HASH_SEED", "ServerFacts", "server_facts"},
     "vllm_mooncake.tools.check_config": {
         "ConfigCheckError",
         "check",

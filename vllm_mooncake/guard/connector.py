@@ -193,6 +193,12 @@ class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
     _guard_stats_reported: GuardStats | None = None  # snapshot at the last report
     _guard_fingerprint = GuardStats().fingerprint()  # of that snapshot
 
+    def guard_stats_pending(self) -> bool:
+        """Whether the guard's stats moved since its last report (the guarded
+        scheduler asks on releases where vLLM does not ask every step)."""
+        side = self._side
+        return side is not None and side.stats.fingerprint() != self._guard_fingerprint
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """The children's stats plus the guard's counters since the last call.
 

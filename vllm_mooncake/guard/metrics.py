@@ -17,6 +17,18 @@ How they reach ``/metrics`` (vLLM 0.32):
 
 No engine-core state crosses the process boundary: the payload is the plain
 dict of :meth:`GuardStats.to_dict` plus a ``gauges_changed`` flag.
+
+Older releases (``compat/releases.py`` says which) differ in two places:
+
+- before 0.30 the scheduler sends the stats objects themselves, which reach
+  the front-end as ``{"data": {...}}`` per connector (and vLLM's
+  ``KVConnectorStats`` has no ``to_dict``): :func:`rebuild_guard_entry`
+  unwraps the guard's entry, the children's stay as vLLM's MultiConnector
+  expects them;
+- before 0.24 step 1 happens only on steps where a worker reported stats of
+  its own; the guarded scheduler gives every step with a pending guard report
+  an empty :func:`stats_carrier`, so a lateral preemption reaches
+  ``/metrics`` in the step it happened.
 """
 
 from __future__ import annotations
@@ -148,6 +160,11 @@ class GuardKVConnectorStats(KVConnectorStats):  # type: ignore[misc]
         data[GAUGES_CHANGED] = True
         return cls(data=data)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The payload (vLLM 0.30+ asks every stats object for it; older
+        releases' base class has no such method)."""
+        return self.data
+
     @property
     def guard_stats(self) -> GuardStats:
         return GuardStats.from_dict(self.data)
@@ -233,6 +250,13 @@ def with_guard_report(
     return stats
 
 
+def stats_carrier() -> KVConnectorStats:
+    """An empty per-child stats object: on releases that ask the connector
+    for stats only when a worker reported some (before 0.24), a step's
+    ``kv_connector_stats`` set to this makes vLLM ask."""
+    return MultiKVConnectorStats()
+
+
 def rebuild_guard_entry(
     data: dict[str, Any],
 ) -> tuple[dict[str, Any], GuardKVConnectorStats | None]:
@@ -242,8 +266,16 @@ def rebuild_guard_entry(
     if raw is None or isinstance(raw, GuardKVConnectorStats):
         return rest, raw
     if isinstance(raw, KVConnectorStats):
-        raw = raw.to_dict()
+        raw = raw.data
+    elif _is_serialized_dataclass(raw):  # before 0.30: {"data": {...}}
+        raw = raw["data"]
     return rest, GuardKVConnectorStats(data=dict(raw))
+
+
+def _is_serialized_dataclass(raw: Any) -> bool:
+    """A stats object serialized whole, as releases before 0.30 send it: its
+    one field ``data`` (the guard's own payload never has such a key)."""
+    return isinstance(raw, dict) and len(raw) == 1 and isinstance(raw.get("data"), dict)
 
 
 class GuardPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
@@ -389,7 +421,7 @@ class WedgeGuardPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         rest, report = rebuild_guard_entry(transfer_stats_data)
         if report is not None:
-            self.guard.observe(report.to_dict(), engine_idx)
+            self.guard.observe(report.data, engine_idx)
         if self.children is None:
             return
         for child, data in rest.items():
@@ -423,5 +455,6 @@ __all__ = [
     "WedgeGuardPromMetrics",
     "guard_stats_report",
     "rebuild_guard_entry",
+    "stats_carrier",
     "with_guard_report",
 ]

@@ -52,6 +52,7 @@ from vllm_mooncake.compat.releases import SchedulerAccess, installed_layout
 from vllm_mooncake.guard.config import GuardConfigError
 from vllm_mooncake.guard.connector import WedgeGuardConnector
 from vllm_mooncake.guard.ledger import HolderView, Victim, WaitStatus
+from vllm_mooncake.guard.metrics import stats_carrier
 from vllm_mooncake.guard.scheduler_side import GuardSchedulerSide, StepObservation
 
 if TYPE_CHECKING:
@@ -375,17 +376,30 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         report loads a raising child never started (guard/containment.py)."""
         kv_output = getattr(model_runner_output, "kv_connector_output", None)
         unstarted = self.wedge_guard.has_unstarted_loads()
-        if kv_output is None and unstarted:
+        carry_stats = self._needs_stats_carrier(kv_output)
+        if kv_output is None and (unstarted or carry_stats):
             # A copy: the output may be vLLM's shared EMPTY_MODEL_RUNNER_OUTPUT.
             kv_output = KVConnectorOutput()
             model_runner_output = copy(model_runner_output)
             model_runner_output.kv_connector_output = kv_output
+        if carry_stats and kv_output is not None:
+            kv_output.kv_connector_stats = stats_carrier()
         if kv_output is not None and (unstarted or _reports_loads(kv_output)):
             self._filter_load_reports(kv_output)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self._finished_mid_recv:
             self._finished_mid_recv &= self.requests.keys()
         return outputs
+
+    def _needs_stats_carrier(self, kv_output: KVConnectorOutput | None) -> bool:
+        """Before 0.24 vLLM asks the connector for stats only on steps where a
+        worker reported stats: without one, the guard's counters and gauges
+        would wait for an unrelated transfer (seconds on a real server)."""
+        if self._access.release.stats_every_step:
+            return False
+        if kv_output is not None and kv_output.kv_connector_stats:
+            return False
+        return bool(self.connector.guard_stats_pending())
 
     def _filter_load_reports(self, kv_output: KVConnectorOutput) -> None:
         """Drop duplicate and late receive notices (never one vLLM awaits)

@@ -11,7 +11,8 @@ Ports are offsets from one base port (``--base-port``, default
 router                     base
 prefill i (HTTP)           base + 100 + i
 decode j (HTTP)            base + 200 + j
-Mooncake bootstrap for i   base + 300 + i
+Mooncake bootstrap for i   base + 300 + i (the launcher's on 0.32+; before,
+                           the prefill engine's own, on 0.0.0.0)
 NIXL side channel, P i     base + 400 + i
 NIXL side channel, D j     base + 450 + j
 Mooncake store master      base + 320 (RPC), + 321 (metadata), + 322 (metrics)
@@ -63,6 +64,8 @@ from pathlib import Path
 from typing import Any
 
 from vllm_mooncake import CONNECTOR_NAME
+from vllm_mooncake.compat.servers import PREFIX_HASH_SEED, ServerFacts, server_facts
+from vllm_mooncake.compat.versions import installed_vllm_dist_version
 
 HOST = "127.0.0.1"
 DEFAULT_BASE_PORT = 18000
@@ -189,6 +192,9 @@ class ClusterSpec:
     mooncake_protocol: str = ""  # empty: tcp on CPU, rdma otherwise
     server_args: tuple[str, ...] = ()
     python: str = sys.executable
+    # The vLLM release ``python`` runs ("": the one installed next to this
+    # launcher); decides what its servers need (compat/servers.py).
+    vllm_version: str = ""
     # a Mooncake store child on every rank, and the store itself
     store: bool = False
     store_client_ttl_s: int = STORE_CLIENT_TTL_S
@@ -226,6 +232,16 @@ class ClusterSpec:
     @property
     def ports(self) -> Ports:
         return Ports(self.base_port)
+
+    @property
+    def server_facts(self) -> ServerFacts:
+        return server_facts(self.vllm_version or installed_vllm_dist_version())
+
+    @property
+    def external_bootstrap(self) -> bool:
+        """The launcher runs each prefill's Mooncake bootstrap server (0.32+);
+        before, each prefill's engine serves its own on the same port."""
+        return self.server_facts.bootstrap_server_address
 
 
 @dataclass(frozen=True)
@@ -329,10 +345,12 @@ def rank_connector(spec: ClusterSpec, rank: Rank) -> str:
 def kv_transfer_config(spec: ClusterSpec, rank: Rank, cpu: bool) -> dict[str, Any]:
     """The guard connector (or stock MultiConnector) over ``rank``'s children.
 
-    Prefill ranks name their own bootstrap server (``bootstrap_server_address``)
-    so vLLM does not start one on 0.0.0.0. ``kv_producer``/``kv_consumer``
-    rather than ``kv_both``: a Mooncake decode rank with ``kv_both`` would
-    also register on the bootstrap server and be refused.
+    Prefill ranks name their own bootstrap server (``bootstrap_server_address``,
+    0.32+) so vLLM does not start one on 0.0.0.0; before 0.32 vLLM has no such
+    option and :func:`release_env` gives the prefill the port instead.
+    ``kv_producer``/``kv_consumer`` rather than ``kv_both``: a Mooncake
+    decode rank with ``kv_both`` would also register on the bootstrap server
+    and be refused.
     """
     children = _children(spec, rank, cpu)
     chosen = rank_connector(spec, rank)
@@ -358,7 +376,7 @@ def kv_transfer_config(spec: ClusterSpec, rank: Rank, cpu: bool) -> dict[str, An
 def _children(spec: ClusterSpec, rank: Rank, cpu: bool) -> list[dict[str, Any]]:
     """[Mooncake, NIXL]; in store mode [store, the ``kv_style`` P->D child]."""
     mooncake_extra: dict[str, Any] = {"mooncake_protocol": mooncake_protocol(spec, cpu)}
-    if rank.bootstrap_port is not None:
+    if rank.bootstrap_port is not None and spec.external_bootstrap:
         mooncake_extra["bootstrap_server_address"] = f"{HOST}:{rank.bootstrap_port}"
     mooncake = {
         "kv_connector": "MooncakeConnector",
@@ -402,7 +420,7 @@ def store_master_argv(spec: ClusterSpec) -> list[str]:
     """``mooncake_master`` on :data:`HOST` with its HTTP metadata server."""
     ports = spec.ports
     return [
-        str(Path(spec.python).with_name("mooncake_master")),
+        tool_path(spec, "mooncake_master"),
         f"-rpc_address={HOST}",
         f"-rpc_port={ports.store_master}",
         "-enable_http_metadata_server=true",
@@ -418,7 +436,7 @@ def store_segment_argv(spec: ClusterSpec, cpu: bool) -> list[str]:
     """``mooncake_client``: the process whose memory holds the stored KV."""
     ports = spec.ports
     return [
-        str(Path(spec.python).with_name("mooncake_client")),
+        tool_path(spec, "mooncake_client"),
         f"-host={HOST}",
         f"-port={ports.store_segment}",
         f"-master_server_address={HOST}:{ports.store_master}",
@@ -512,6 +530,24 @@ def server_env(
     return env
 
 
+def release_env(spec: ClusterSpec, rank: Rank) -> dict[str, str]:
+    """What ``rank`` needs on the release ``spec`` runs (compat/servers.py).
+
+    Before 0.29 every process draws its own prefix-hash seed: in store mode
+    all ranks get one ``PYTHONHASHSEED``, or no rank ever finds a prefix
+    another saved. Before 0.32 a prefill's engine serves its own Mooncake
+    bootstrap on ``VLLM_MOONCAKE_BOOTSTRAP_PORT`` (on 0.0.0.0: vLLM takes no
+    host for it), which takes the port the launcher's bootstrap would have.
+    """
+    facts = spec.server_facts
+    env: dict[str, str] = {}
+    if spec.store and not facts.shared_hash_seed:
+        env["PYTHONHASHSEED"] = PREFIX_HASH_SEED
+    if rank.bootstrap_port is not None and not facts.bootstrap_server_address:
+        env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(rank.bootstrap_port)
+    return env
+
+
 def reference_env(cpu: bool, cache: Path) -> dict[str, str]:
     """Environment additions for any vLLM server here (no pinning)."""
     env = dict(COMMON_ENV)
@@ -533,6 +569,15 @@ def bootstrap_argv(spec: ClusterSpec, port: int) -> list[str]:
     ]
 
 
+def tool_path(spec: ClusterSpec, name: str) -> str:
+    """The command ``name`` next to the servers' Python, else next to this
+    launcher's (a release environment may lack e.g. vllm-router)."""
+    beside = Path(spec.python).with_name(name)
+    if beside.exists():
+        return str(beside)
+    return str(Path(sys.executable).with_name(name))
+
+
 def router_argv(spec: ClusterSpec, rank_list: Sequence[Rank]) -> list[str]:
     """``vllm-router`` (the Rust PD router from PyPI) in vLLM PD mode.
 
@@ -543,7 +588,7 @@ def router_argv(spec: ClusterSpec, rank_list: Sequence[Rank]) -> list[str]:
     """
     ports = spec.ports
     argv = [
-        str(Path(spec.python).with_name("vllm-router")),
+        tool_path(spec, "vllm-router"),
         "--vllm-pd-disaggregation",
         "--host",
         HOST,

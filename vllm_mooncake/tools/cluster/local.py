@@ -210,7 +210,7 @@ def up(
                 f"http://{HOST}:{r.bootstrap_port}/query",
             )
             for r in rank_list
-            if r.bootstrap_port is not None
+            if r.bootstrap_port is not None and spec.external_bootstrap
         ]
         timings["bootstrap"] = state.wait_healthy(boots, timeout=120)
         say(f"[up] Mooncake bootstrap server(s) ready in {timings['bootstrap']:.1f} s")
@@ -260,7 +260,7 @@ def rank_env(
 ) -> dict[str, str]:
     """The whole environment ``rank``'s server starts with."""
     extra = layout.server_env(rank, cpu, cache_dir(), spec.ports, store_path)
-    return {**env, **extra}
+    return {**env, **extra, **layout.release_env(spec, rank)}
 
 
 def restart_rank(cluster: Cluster, name: str, timeout: float = 600.0) -> float:
@@ -443,6 +443,8 @@ def _spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         server_args=tuple(args.server_arg or ()),
+        python=args.python or sys.executable,
+        vllm_version=args.vllm_version,
     )
 
 
@@ -518,6 +520,17 @@ def _parser() -> argparse.ArgumentParser:
         "--server-arg",
         action="append",
         help="extra vLLM argument for every rank (repeat; e.g. --server-arg=-O0)",
+    )
+    u.add_argument(
+        "--python",
+        default="",
+        help="the Python whose vLLM the servers run (default: this one); e.g. "
+        "a release environment of scripts/real_release_env.sh",
+    )
+    u.add_argument(
+        "--vllm-version",
+        default="",
+        help="the vLLM release --python runs (default: the one installed here)",
     )
     u.add_argument("--timeout", type=float, default=600.0)
     u.add_argument("--no-smoke", action="store_true", help="skip the test request")
