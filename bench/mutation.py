@@ -50,6 +50,7 @@ TESTS = (
     "tests/test_hma_finish_real_children.py",
     "tests/test_guard_mutants.py",
     "tests/test_metrics.py",
+    "tests/test_guard_pins.py",
 )
 SUPPORT = ("tests/conftest.py",)
 
