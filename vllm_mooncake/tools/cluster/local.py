@@ -384,6 +384,7 @@ def attach(run: str = DEFAULT_RUN) -> Cluster:
         raise StartupError(f"run {run!r} is not up")
     spec_fields = dict(state.info["spec"])
     spec_fields["server_args"] = tuple(spec_fields.get("server_args", ()))
+    spec_fields["unrouted"] = tuple(spec_fields.get("unrouted", ()))
     spec = ClusterSpec(**spec_fields)
     rank_list = tuple(Rank(**r) for r in state.info["ranks"])
     return Cluster(

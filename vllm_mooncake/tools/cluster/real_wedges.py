@@ -29,6 +29,35 @@ block to run -- is never reached. Stock stays like this: nothing generated,
 ``/health`` 200, until the clients give up. The guard preempts Y
 laterally (Y recomputes later), X runs, then Y.
 
+The seed (vLLM 0.19-0.22, which have no async-load reservation; vLLM's
+default scheduler config), on a decode pool of :data:`SEED_DECODE_BLOCKS`:
+
+1. the store learns A's prefix (4 blocks), as for W1;
+2. A (700 tokens: 4 blocks hit, 2 more to compute) and B's decode leg (a
+   P->D request of 4 blocks) arrive at the decode back to back, before A's
+   store load completes: both are admitted -- A's whole prompt fit the free
+   pool when A came -- and together they hold all 8 blocks;
+3. A's load completes: A needs its 2 other blocks, none are free, and the
+   admission loop breaks on it; B's prefill leg is sent and B's receive
+   completes. B needs no block to run but sits behind A.
+
+Whether B arrives before A's load ends is a race on a real server (the load
+takes milliseconds): :func:`form_seed` reports what happened, and the tests
+try fresh prompts until the wedge forms (or the guard acts).
+
+Head of line (vLLM 0.19-0.30, default scheduler config; the store's
+deferred lookups, ``lookup_async``, which MooncakeStoreConnector has from
+0.25), on a decode pool of :data:`W1_DECODE_BLOCKS`:
+
+1. B's decode leg (a P->D request of 3 blocks) is admitted and waits for
+   the prefill's push;
+2. C (480 tokens, 4 blocks) arrives; its store lookup is deferred ("ask
+   later"), so C is skipped into ``skipped_waiting`` -- in front of B, which
+   waits there for its receive. Next step C's lookup is back, C needs 4
+   blocks with 2 free, and the admission loop breaks on it;
+3. B's prefill leg is sent and B's receive completes: B needs no block to
+   run, but sits behind C for good.
+
 W2 (``kv_load_failure_policy=recompute`` and a store load that fails
 entirely), same pool: the store learns A's prefix, then loses it -- its
 segment owner stops, while mooncake_master still lists the keys until its
@@ -111,6 +140,29 @@ class W2Prompts:
     def make(cls, seed: int) -> W2Prompts:
         failing = token_prompt(480, 3000 + seed)
         return cls(failing, token_prompt(300, 4000 + seed), failing[:300])
+
+
+# --num-gpu-blocks-override for the decodes that form the seed: 8 usable
+# blocks of 128 tokens (vLLM keeps one as its null block), and the
+# max-model-len A's 700-token prompt needs.
+SEED_DECODE_BLOCKS = 9
+SEED_MAX_MODEL_LEN = 1024
+
+
+@dataclass(frozen=True)
+class SeedPrompts:
+    """A: 700 tokens (6 blocks) whose first 512 (4 full blocks) the store
+    knows; B: 500 tokens (4 blocks) over P->D. With 8 usable blocks A's
+    hit and B fill the pool, and A's remaining 2 blocks never fit."""
+
+    head: list[int]  # A
+    holder: list[int]  # B
+    seed: list[int]  # A's prefix, computed by the prefill and saved
+
+    @classmethod
+    def make(cls, seed: int) -> SeedPrompts:
+        head = token_prompt(700, 5000 + seed)
+        return cls(head, token_prompt(500, 6000 + seed), head[:512])
 
 
 class Background:
@@ -271,6 +323,69 @@ def form_w2(
 
 
 @dataclass(frozen=True)
+class HolPrompts:
+    """C: 480 tokens (4 blocks), no prefix stored; B: 300 tokens (3 blocks)
+    over P->D. With 5 usable blocks, after B's 3 C's 4 never fit."""
+
+    head: list[int]  # C
+    holder: list[int]  # B
+
+    @classmethod
+    def make(cls, seed: int) -> HolPrompts:
+        return cls(token_prompt(480, 7000 + seed), token_prompt(300, 8000 + seed))
+
+
+def form_hol(
+    prefill_url: str,
+    decode_url: str,
+    bootstrap_url: str,
+    prompts: HolPrompts,
+    hold_s: float,
+    request_timeout: float,
+    lookup_s: float = 1.0,
+) -> WedgeRun:
+    """Drive ``decode_url`` into the head-of-line wedge (module docstring);
+    its store child must defer lookups (``lookup_async``)."""
+    legs = PDLegs(prefill_url, decode_url, bootstrap_url, request_timeout)
+    return legs.run(
+        prompts.head, prompts.holder, lambda _: time.sleep(lookup_s), hold_s
+    )
+
+
+def form_seed(
+    prefill_url: str,
+    decode_url: str,
+    bootstrap_url: str,
+    store_metrics_url: str,
+    prompts: SeedPrompts,
+    hold_s: float,
+    request_timeout: float,
+    load_s: float = 1.0,
+) -> WedgeRun:
+    """Drive ``decode_url`` into the seed (module docstring) and watch it.
+
+    A and B's decode leg go out together; ``load_s`` later (A's store load
+    takes milliseconds) B's prefill leg is sent.
+    """
+    seed_store(prefill_url, prompts.seed, store_metrics_url)
+    legs = PDLegs(prefill_url, decode_url, bootstrap_url, request_timeout)
+    before = scrape(decode_url)
+    prefill_params, decode_params = mooncake_legs(bootstrap_url)
+    head = legs.send(decode_url, prompts.head, MAX_TOKENS, 0, None)
+    holder = legs.send(decode_url, prompts.holder, MAX_TOKENS, 0, decode_params)
+    time.sleep(load_s)
+    prefill_leg = legs.send(prefill_url, prompts.holder, 1, 0, prefill_params)
+    return _watch(
+        decode_url,
+        (head, prompts.head),
+        (holder, prompts.holder),
+        prefill_leg,
+        before,
+        hold_s,
+    )
+
+
+@dataclass(frozen=True)
 class PDLegs:
     """The choreography both wedges share on one decode.
 
@@ -294,19 +409,15 @@ class PDLegs:
         before = scrape(self.decode_url)
         waiting0 = metric_total(before, WAITING)
         prefill_params, decode_params = mooncake_legs(self.bootstrap_url)
-        holder = self._complete(
-            self.decode_url, holder_prompt, MAX_TOKENS, 1, decode_params
-        )
+        holder = self.send(self.decode_url, holder_prompt, MAX_TOKENS, 1, decode_params)
         wait_for(
             "the holder waits for its P->D receive",
             lambda: DecodeState.of(self.decode_url).waiting >= waiting0 + 1,
             timeout=30,
         )
-        urgent = self._complete(self.decode_url, first, MAX_TOKENS, 0, None)
+        urgent = self.send(self.decode_url, first, MAX_TOKENS, 0, None)
         between(urgent)
-        prefill_leg = self._complete(
-            self.prefill_url, holder_prompt, 1, 0, prefill_params
-        )
+        prefill_leg = self.send(self.prefill_url, holder_prompt, 1, 0, prefill_params)
         return _watch(
             self.decode_url,
             (urgent, first),
@@ -316,7 +427,7 @@ class PDLegs:
             hold_s,
         )
 
-    def _complete(
+    def send(
         self,
         url: str,
         prompt: list[int],
@@ -324,6 +435,8 @@ class PDLegs:
         priority: int,
         params: dict[str, Any] | None,
     ) -> Background:
+        """One completion to ``url`` in the background (``params``: a PD
+        leg's ``kv_transfer_params``)."""
         extra: dict[str, Any] = {"priority": priority}
         if params is not None:
             extra["kv_transfer_params"] = params
@@ -459,7 +572,11 @@ def main(argv: list[str] | None = None) -> int:
 
 __all__ = [
     "MAX_TOKENS",
+    "HolPrompts",
     "PDLegs",
+    "SEED_DECODE_BLOCKS",
+    "SEED_MAX_MODEL_LEN",
+    "SeedPrompts",
     "W1_DECODE_BLOCKS",
     "W1_SERVER_ARGS",
     "Background",
@@ -467,6 +584,8 @@ __all__ = [
     "W1Prompts",
     "W2Prompts",
     "WedgeRun",
+    "form_hol",
+    "form_seed",
     "form_w1",
     "form_w2",
     "main",

