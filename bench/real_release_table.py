@@ -30,6 +30,8 @@ HEADER = (
 
 
 def _mark(value: object) -> str:
+    if isinstance(value, str):
+        return value
     return "ok" if value is True else "FAILED" if value is False else "not run"
 
 

@@ -25,9 +25,12 @@
 # uv installs from its cache with hard links, so envs that share a torch share
 # its files on disk: each env beyond the first of its torch costs ~0.3-0.5 GB.
 #
-# Idempotent: an env whose stamp (keyed on this script's hash) exists is
-# reused at once. 0.32.0 is the project's .venv (make setup-e2e): its python is
-# printed as is. Everything but the final path goes to stderr.
+# Idempotent: an env whose stamp (keyed on the hash of this script's code,
+# comments left out) exists is reused at once. A (re)build happens beside the
+# env and replaces it by a rename, so servers already running from an older
+# build of the env keep their files. 0.32.0 is the project's .venv (make
+# setup-e2e): its python is printed as is. Everything but the final path goes
+# to stderr.
 #
 #   VLLM_MOONCAKE_CACHE=/elsewhere   root of the cache (default: .cache)
 #   BASE_PYTHON=python3.11           the interpreter the envs are made from
@@ -77,9 +80,21 @@ read -r _ cutoff torch_version < <(awk -v v="$VERSION" '$1 == v' <<<"$RELEASES")
 ROOT="${VLLM_MOONCAKE_CACHE:-$REPO/.cache}/real-releases"
 ENV_DIR="$ROOT/vllm-$VERSION"
 PY="$ENV_DIR/bin/python"
-key=$(sha256sum "$SCRIPT" | cut -c1-16)
+key=$(grep -v '^[[:space:]]*#' "$SCRIPT" | sha256sum | cut -c1-16)
 stamp="$ENV_DIR/.real-release-$key"
+
+# The env imports this project from the checkout that asked for it (an
+# editable install): another checkout (a worktree) re-points it, in seconds.
+point_at_repo() {
+  [ "$(cat "$ENV_DIR/.project-repo" 2>/dev/null)" = "$REPO" ] && return 0
+  log "this project from $REPO"
+  UV_CACHE_DIR="$ROOT/uv-cache" UV_LINK_MODE=hardlink UV_NO_CONFIG=1 \
+    "$ROOT/.tools/bin/uv" pip install --quiet --python "$PY" --no-deps -e "$REPO"
+  echo "$REPO" >"$ENV_DIR/.project-repo"
+}
+
 if [ -f "$stamp" ] && [ -x "$PY" ]; then
+  point_at_repo
   echo "$PY" >&3
   exit 0
 fi
@@ -89,6 +104,7 @@ mkdir -p "$ROOT"
 exec 9>"$ROOT/.lock-$VERSION"
 flock 9
 if [ -f "$stamp" ] && [ -x "$PY" ]; then
+  point_at_repo
   echo "$PY" >&3
   exit 0
 fi
@@ -138,16 +154,21 @@ for p in "${DATE_EXEMPT[@]}"; do exempt+=(--exclude-newer-package "$p=false"); d
 
 log "building $ENV_DIR ($torch_req, requirements as of $cutoff)"
 start=$SECONDS
-rm -rf "$ENV_DIR"
-"$UV" venv --quiet --python "$base" "$ENV_DIR"
-"$UV" pip install --quiet --python "$PY" "${links[@]}" \
+# Built beside the env (relocatable: its scripts name no absolute path), then
+# renamed into place.
+build="$ROOT/.build-vllm-$VERSION"
+bpy="$build/bin/python"
+rm -rf "$build" "$ROOT"/.old-vllm-"$VERSION"-*
+"$UV" venv --quiet --relocatable --python "$base" "$build"
+"$UV" pip install --quiet --python "$bpy" "${links[@]}" \
   --exclude-newer "${cutoff}T00:00:00Z" "${exempt[@]}" \
   -r "$tmp/requirements.txt" --overrides "$tmp/overrides.txt" \
   --excludes "$tmp/excludes.txt"
-"$UV" pip install --quiet --python "$PY" --no-deps -e "$REPO"
+"$UV" pip install --quiet --python "$bpy" --no-deps -e "$REPO"
+installed=$SECONDS
 
 # The env must import what a server of this release needs, on the CPU platform.
-HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 "$PY" - "$VERSION" "$torch_version" <<'EOF'
+HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 "$bpy" - "$VERSION" "$torch_version" <<'EOF'
 import sys
 
 import mooncake.engine  # noqa: F401
@@ -165,7 +186,11 @@ assert current_platform.device_type == "cpu", current_platform.device_type
 print(f"vllm {vllm.__version__}, torch {torch.__version__}, "
       f"transformers {transformers.__version__}, platform cpu", file=sys.stderr)
 EOF
-rm -f "$ENV_DIR"/.real-release-*
-touch "$stamp"
-log "done in $((SECONDS - start)) s"
+touch "$build/.real-release-$key"
+echo "$REPO" >"$build/.project-repo"
+old="$ROOT/.old-vllm-$VERSION-$$"
+[ ! -e "$ENV_DIR" ] || mv "$ENV_DIR" "$old"
+mv "$build" "$ENV_DIR"
+rm -rf "$old"
+log "done in $((SECONDS - start)) s (install $((installed - start)) s, check $((SECONDS - installed)) s)"
 echo "$PY" >&3

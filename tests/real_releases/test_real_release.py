@@ -42,7 +42,7 @@ from vllm_mooncake.guard.metrics import (
 )
 from vllm_mooncake.testing import log_lines
 from vllm_mooncake.testing.overlays import RELEASES
-from vllm_mooncake.testing.wedges import HOL, SEED
+from vllm_mooncake.testing.wedges import HOL, SEED, W1
 from vllm_mooncake.tools.cluster import layout
 from vllm_mooncake.tools.cluster.client import complete, get_text, metric_total
 from vllm_mooncake.tools.cluster.local import (
@@ -59,11 +59,12 @@ from vllm_mooncake.tools.cluster.real_wedges import (
     SEED_DECODE_BLOCKS,
     SEED_MAX_MODEL_LEN,
     W1_DECODE_BLOCKS,
-    HolPrompts,
+    W1_SERVER_ARGS,
     SeedPrompts,
+    W1Prompts,
     WedgeRun,
-    form_hol,
     form_seed,
+    form_w1,
     token_prompt,
     wait_idle,
 )
@@ -93,35 +94,61 @@ TRIES = 4
 
 @dataclass(frozen=True)
 class DefaultWedge:
-    """The wedge a release has with vLLM's default scheduler config, and
-    what its decodes need to form it on real servers."""
+    """The wedge this tier forms on a release's servers, and what its decodes
+    need for it."""
 
     name: str
     decode_blocks: int
     max_model_len: int  # no more than the decode pool holds (vLLM checks)
-    store_extra: dict[str, object]
+    server_args: tuple[str, ...]  # () for vLLM's default scheduler config
 
-    def prompts(self, k: int) -> SeedPrompts | HolPrompts:
-        return SeedPrompts.make(k) if self.name == "seed" else HolPrompts.make(k)
+    def prompts(self, k: int) -> SeedPrompts | W1Prompts:
+        return SeedPrompts.make(k) if self.name == "seed" else W1Prompts.make(k)
+
+    def prompt_list(self, k: int) -> list[list[int]]:
+        p = self.prompts(k)
+        return (
+            [p.head, p.holder] if isinstance(p, SeedPrompts) else [p.urgent, p.holder]
+        )
+
+
+# vLLM 0.24-0.26's MooncakeConnector registers a CPU KV cache as one
+# transfer region per block (its shared get_transfer_cache_regions iterates
+# the cache tensor's first dimension, the blocks on the CPU layout): a P->D
+# transfer between pools of different sizes fails ("producer registered
+# layer has no matching consumer occurrence"), between pools of one size it
+# writes outside the peer's buffers ("remote-supplied address ... is not
+# within any registered buffer"), and the decode's output is not the
+# prompt's. Seen on this tier's servers; 0.23 uses that function for NIXL
+# only, 0.27 no longer has it.
+CPU_PD_TRANSFER_BROKEN = ("0.24", "0.25", "0.26")
+
+# Why the head-of-line wedge (0.19-0.30 with vLLM's default config) is not
+# this tier's: it needs the holder admitted in the step its head's lookup
+# is deferred, and stock MultiConnector asks every child -- the store too,
+# whose deferred lookup (lookup_async) defers the holder as well -- so on
+# real servers over [MooncakeStoreConnector, P->D] the holder never gets
+# ahead of its head's deferral. Tried on 0.27.1: four times, both requests
+# finished on stock. It stays proven on each release's scheduler code.
+HOL_ON_SERVERS = (
+    "head of line does not form on stock servers over [store, P->D] (the "
+    "store defers every lookup); W1 stands in"
+)
 
 
 def default_wedge(version: str) -> DefaultWedge | str:
-    """The release's default-config wedge, or why none forms on its servers."""
+    """The wedge formed on ``version``'s servers, or why none is."""
     minor = series(version)
-    number = int(minor.split(".")[1])
-    if minor in SEED.wedges_on_defaults:
-        return DefaultWedge("seed", SEED_DECODE_BLOCKS, SEED_MAX_MODEL_LEN, {})
-    if minor not in HOL.wedges_on_defaults:
-        return f"vLLM {minor} has no wedge with its default config"
-    if number < 24:
+    if minor in CPU_PD_TRANSFER_BROKEN:
         return (
-            f"vLLM {minor}: the head-of-line wedge needs a lookup that asks "
-            "later; MooncakeStoreConnector defers lookups (lookup_async) from "
-            "0.24 only, so it is proven on this release's scheduler code "
-            "(make releases), not on its servers"
+            f"vLLM {minor}: its MooncakeConnector cannot move KV between CPU "
+            "ranks (one transfer region per block), so no P->D receive lands"
         )
-    # The store child's deferred lookups are the "ask later" of the wedge.
-    return DefaultWedge("hol", W1_DECODE_BLOCKS, 512, {"lookup_async": True})
+    if minor in SEED.wedges_on_defaults:  # vLLM's default config
+        return DefaultWedge("seed", SEED_DECODE_BLOCKS, SEED_MAX_MODEL_LEN, ())
+    assert minor in W1.wedges_on and minor not in SEED.wedges_on_defaults
+    # Priority scheduling without the full-prompt check (every release).
+    return DefaultWedge("w1", W1_DECODE_BLOCKS, 512, W1_SERVER_ARGS)
 
 
 LATERAL = f"{LATERAL_PREEMPTIONS_METRIC}_total"
@@ -194,7 +221,7 @@ def release(request: pytest.FixtureRequest) -> Iterator[Release]:
         # The stock decode shows the wedge by hand; the router serves the
         # guarded one.
         unrouted=("decode-0",),
-        store_extra=wedge.store_extra if isinstance(wedge, DefaultWedge) else {},
+        server_args=wedge.server_args if isinstance(wedge, DefaultWedge) else (),
         python=release_python(version),
         vllm_version=version,
     )
@@ -203,8 +230,7 @@ def release(request: pytest.FixtureRequest) -> Iterator[Release]:
     prompts: list[str | list[int]] = list(PROMPTS)
     if isinstance(wedge, DefaultWedge):
         for k in range(2 * TRIES):
-            p = wedge.prompts(k)
-            prompts += [p.head, p.holder]
+            prompts += wedge.prompt_list(k)
     with reference_server(spec, run=f"{run}-reference") as url:
         refs = {repr(p): complete(url, p, MAX_TOKENS).token_ids for p in prompts}
     if Run(run_dir(run)).live():
@@ -226,10 +252,32 @@ def test_the_servers_run_the_release_with_the_guard(release: Release) -> None:
 
 def test_pd_outputs_through_the_router_equal_a_plain_server(release: Release) -> None:
     router = release.cluster.router_url
+    if release.series in CPU_PD_TRANSFER_BROKEN:
+        _expect_broken_transfers(release)
+        return
     for prompt in PROMPTS:
         got = complete(router, prompt, MAX_TOKENS)
         assert got.token_ids == release.reference(prompt), prompt
     record(release.version, pd_outputs_equal=True)
+
+
+def _expect_broken_transfers(release: Release) -> None:
+    """The upstream CPU transfer bug still shows (an output differs or a
+    request fails), or this test fails: the list is out of date."""
+    try:
+        same = all(
+            complete(release.cluster.router_url, p, MAX_TOKENS, timeout=60).token_ids
+            == release.reference(p)
+            for p in PROMPTS
+        )
+    except Exception:  # noqa: BLE001 - the bug may surface as a failed request
+        same = False
+    assert not same, (
+        f"vLLM {release.series} now moves KV between CPU ranks correctly: "
+        "remove it from CPU_PD_TRANSFER_BROKEN"
+    )
+    record(release.version, pd_outputs_equal="no: upstream CPU transfer bug")
+    pytest.xfail(f"vLLM {release.series}: see CPU_PD_TRANSFER_BROKEN")
 
 
 def test_every_guard_series_is_exported_with_its_help(release: Release) -> None:
@@ -240,7 +288,7 @@ def test_every_guard_series_is_exported_with_its_help(release: Release) -> None:
     record(release.version, series_exported=True)
 
 
-def test_the_default_config_wedge_is_red_on_stock_and_clears_guarded(
+def test_the_release_wedge_is_red_on_stock_and_clears_guarded(
     release: Release,
 ) -> None:
     """Stock stays wedged with ``/health`` 200; the guard clears the same
@@ -251,6 +299,8 @@ def test_the_default_config_wedge_is_red_on_stock_and_clears_guarded(
         pytest.skip(release.wedge)
     name = release.wedge.name
     record(release.version, wedge=name, stock=None, guard=None)
+    if release.series in HOL.wedges_on_defaults and name != "seed":
+        record(release.version, hol=HOL_ON_SERVERS)
     stock = _form_until(release, STOCK, lambda run: not run.finished)
     assert stock.settled.healthy, "stock: /health must stay 200 while wedged"
     assert stock.settled.running == 0 and stock.settled.waiting == 2
@@ -294,7 +344,7 @@ def _form_until(
         if isinstance(prompts, SeedPrompts):
             run = form_seed(p, d, boot, metrics, prompts, hold, hold + 10)
         else:
-            run = form_hol(p, d, boot, prompts, hold, hold + 10)
+            run = form_w1(p, d, boot, metrics, prompts, hold, hold + 10)
         if formed(run):
             return run
         runs.append(run)

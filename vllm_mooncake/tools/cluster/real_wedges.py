@@ -101,6 +101,7 @@ MAX_TOKENS = 16
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 GENERATED = "vllm:generation_tokens_total"
+KV_USAGE = "vllm:kv_cache_usage_perc"
 FETCH_STAGE = "vllm:num_requests_kv_fetch_by_stage"
 # mooncake_master's counters of completed puts (single and batched)
 STORE_PUTS_DONE = ("master_put_end_requests_total", "master_batch_put_end_items_total")
@@ -345,10 +346,31 @@ def form_hol(
     lookup_s: float = 1.0,
 ) -> WedgeRun:
     """Drive ``decode_url`` into the head-of-line wedge (module docstring);
-    its store child must defer lookups (``lookup_async``)."""
+    its store child must defer lookups (``lookup_async``).
+
+    C goes out only once B holds its blocks: had both lookups been deferred
+    in one step, C would be admitted first and run.
+    """
     legs = PDLegs(prefill_url, decode_url, bootstrap_url, request_timeout)
-    return legs.run(
-        prompts.head, prompts.holder, lambda _: time.sleep(lookup_s), hold_s
+    before = scrape(decode_url)
+    prefill_params, decode_params = mooncake_legs(bootstrap_url)
+    holder = legs.send(decode_url, prompts.holder, MAX_TOKENS, 0, decode_params)
+    wait_for(
+        "B holds its blocks, waiting for its P->D receive",
+        lambda: metric_total(scrape(decode_url), KV_USAGE) > 0,
+        timeout=30,
+        poll=0.05,
+    )
+    head = legs.send(decode_url, prompts.head, MAX_TOKENS, 0, None)
+    time.sleep(lookup_s)
+    prefill_leg = legs.send(prefill_url, prompts.holder, 1, 0, prefill_params)
+    return _watch(
+        decode_url,
+        (head, prompts.head),
+        (holder, prompts.holder),
+        prefill_leg,
+        before,
+        hold_s,
     )
 
 
@@ -450,7 +472,13 @@ class PDLegs:
 def _loaded_and_blocked(decode_url: str, urgent: Background) -> bool:
     if urgent.done:  # nothing to wait for: X ran (the pool was larger)
         return True
-    return DecodeState.of(decode_url).completed_waiting >= 1
+    samples = scrape(decode_url)
+    if not any(x.name == FETCH_STAGE for x in samples):
+        # Before 0.32 vLLM exports no KV-fetch stages: a store load of a few
+        # blocks takes milliseconds, so a second is plenty.
+        time.sleep(1.0)
+        return True
+    return metric_total(samples, FETCH_STAGE, stage="completed_waiting") >= 1
 
 
 def _watch(
