@@ -41,6 +41,8 @@ def _source_flags(version: str) -> dict[str, bool]:
         "shared_hash_seed": "DEFAULT_NONE_HASH_SEED"
         in _read(version, "vllm/v1/core/kv_cache_utils.py"),
         "bootstrap_server_address": "bootstrap_server_address" in connector_src,
+        "mooncake_store": "MooncakeStoreConnector"
+        in _read(version, "vllm/distributed/kv_transfer/kv_connector/factory.py"),
     }
 
 
@@ -55,6 +57,7 @@ def test_server_flags_match_the_release_source(version: str) -> None:
         "stats_to_dict": layout.stats_to_dict,
         "shared_hash_seed": facts.shared_hash_seed,
         "bootstrap_server_address": facts.bootstrap_server_address,
+        "mooncake_store": facts.mooncake_store,
     }
     found = _source_flags(version)
     wrong = {flag: found[flag] for flag in declared if declared[flag] != found[flag]}

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_mooncake.compat.servers import server_facts
 from vllm_mooncake.compat.versions import series
 from vllm_mooncake.guard.metrics import (
     COUNTER_METRICS,
@@ -139,6 +140,12 @@ HOL_ON_SERVERS = (
 def default_wedge(version: str) -> DefaultWedge | str:
     """The wedge formed on ``version``'s servers, or why none is."""
     minor = series(version)
+    if not server_facts(version).mooncake_store:
+        return (
+            f"vLLM {minor} has no MooncakeStoreConnector (0.21+): no partial "
+            "store load can sit next to a P->D receive, so no wedge forms on "
+            "its servers (the cluster runs [MooncakeConnector, NixlConnector])"
+        )
     if minor in CPU_PD_TRANSFER_BROKEN:
         return (
             f"vLLM {minor}: its MooncakeConnector cannot move KV between CPU "
@@ -208,7 +215,7 @@ def release(request: pytest.FixtureRequest) -> Iterator[Release]:
     pool = wedge.decode_blocks if isinstance(wedge, DefaultWedge) else None
     spec = layout.ClusterSpec(
         shape="1p2d",
-        store=True,
+        store=server_facts(version).mooncake_store,
         store_client_ttl_s=600,
         decode_blocks=pool,
         # The prefill's pool as large as the decodes': MooncakeConnector

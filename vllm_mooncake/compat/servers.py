@@ -11,6 +11,9 @@ runs servers of another release than the one installed next to it.
   each process draws a random seed, so a Mooncake store shared by several
   ranks never matches a key another rank saved: every rank needs the same
   ``PYTHONHASHSEED``.
+- ``mooncake_store``: vLLM has MooncakeStoreConnector (0.21+), the
+  store child of a store-mode rank; before, a Mooncake store cannot sit
+  next to the P->D connector.
 - ``bootstrap_server_address``: MooncakeConnector registers a prefill on an
   external bootstrap server named in ``kv_connector_extra_config`` (0.32+).
   Before, each prefill starts its own bootstrap server inside the engine, on
@@ -34,6 +37,7 @@ long as every rank has the same; with sha256 the seed is not a secret)."""
 @dataclass(frozen=True)
 class ServerFacts:
     shared_hash_seed: bool
+    mooncake_store: bool
     bootstrap_server_address: bool
 
 
@@ -48,5 +52,6 @@ def server_facts(version: str) -> ServerFacts:
     number = int(minor.split(".")[1])
     return ServerFacts(
         shared_hash_seed=number >= 29,
+        mooncake_store=number >= 21,
         bootstrap_server_address=number >= 32,
     )
