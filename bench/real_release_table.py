@@ -3,7 +3,9 @@
 ``make real-releases`` (tests/real_releases) writes one JSON file per release
 under ``.cache/real-releases/results/``; this prints them as a Markdown table:
 
-    python bench/real_release_table.py [RESULTS_DIR]
+    python bench/real_release_table.py [RESULTS_DIR] [--record]
+
+(``--record`` also writes it between the markers of docs/supported-vllm.md.)
 
 A release with no file says "not run"; a check that started and did not
 pass says "FAILED".
@@ -24,9 +26,15 @@ DEFAULT_DIR = (
 )
 HEADER = (
     "| release | guarded servers | PD outputs = plain server | guard series on "
-    "/metrics | default-config wedge | stock | guard | measured |\n"
+    "/metrics | wedge formed | stock | guard | measured |\n"
     "|---|---|---|---|---|---|---|---|"
 )
+
+
+WEDGE_NAMES = {
+    "seed": "seed (vLLM's default config)",
+    "w1": "W1 (priority, no full-prompt check)",
+}
 
 
 def _mark(value: object) -> str:
@@ -43,7 +51,7 @@ def row(data: dict[str, object]) -> str:
         wedge_cells = ["none on servers: " + str(data.get("why", "")), "–", "–"]
     else:
         wedge_cells = [
-            str(wedge),
+            WEDGE_NAMES.get(str(wedge), str(wedge)),
             str(data.get("stock") or "FAILED"),
             str(data.get("guard") or "FAILED"),
         ]
@@ -68,8 +76,27 @@ def table(results_dir: Path) -> str:
     return "\n".join([HEADER, *rows])
 
 
+BEGIN, END = "<!-- real-releases:begin -->", "<!-- real-releases:end -->"
+DOC = ROOT / "docs" / "supported-vllm.md"
+
+
+def record(doc: Path, text: str) -> None:
+    """Replace what stands between the markers in ``doc`` with ``text``."""
+    content = doc.read_text()
+    if BEGIN not in content or END not in content:
+        raise SystemExit(f"{doc}: add the markers {BEGIN} and {END} first")
+    head, rest = content.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    doc.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+
+
 def main(argv: list[str]) -> int:
-    print(table(Path(argv[0]) if argv else DEFAULT_DIR))
+    record_it = "--record" in argv
+    args = [a for a in argv if a != "--record"]
+    text = table(Path(args[0]) if args else DEFAULT_DIR)
+    print(text)
+    if record_it:
+        record(DOC, text)
     return 0
 
 

@@ -113,16 +113,16 @@ class DefaultWedge:
         )
 
 
-# vLLM 0.24-0.26's MooncakeConnector registers a CPU KV cache as one
+# vLLM 0.24-0.25's MooncakeConnector registers a CPU KV cache as one
 # transfer region per block (its shared get_transfer_cache_regions iterates
-# the cache tensor's first dimension, the blocks on the CPU layout): a P->D
-# transfer between pools of different sizes fails ("producer registered
-# layer has no matching consumer occurrence"), between pools of one size it
-# writes outside the peer's buffers ("remote-supplied address ... is not
-# within any registered buffer"), and the decode's output is not the
-# prompt's. Seen on this tier's servers; 0.23 uses that function for NIXL
-# only, 0.27 no longer has it.
-CPU_PD_TRANSFER_BROKEN = ("0.24", "0.25", "0.26")
+# the cache tensor's first dimension, the blocks on the CPU layout). Seen on
+# this tier's servers: between pools of different sizes a P->D transfer
+# fails ("producer registered layer has no matching consumer occurrence");
+# between pools of one size the decode's outputs still differ from the
+# prompt's (0.25: "remote-supplied address ... is not within any registered
+# buffer"). 0.26 still has that function but moved KV correctly between
+# two default-size pools; 0.27 no longer has it; 0.23 uses it for NIXL only.
+CPU_PD_TRANSFER_BROKEN = ("0.24", "0.25")
 
 # Why the head-of-line wedge (0.19-0.30 with vLLM's default config) is not
 # this tier's: it needs the holder admitted in the step its head's lookup
