@@ -5,7 +5,7 @@ under ``.cache/real-releases/results/``; this prints them as a Markdown table:
 
     python bench/real_release_table.py [RESULTS_DIR] [--record]
 
-(``--record`` also writes it between the markers of docs/supported-vllm.md.)
+(``--record`` also writes it between the markers of docs/real-releases.md.)
 
 A release with no file says "not run"; a check that started and did not
 pass says "FAILED".
@@ -77,7 +77,7 @@ def table(results_dir: Path) -> str:
 
 
 BEGIN, END = "<!-- real-releases:begin -->", "<!-- real-releases:end -->"
-DOC = ROOT / "docs" / "supported-vllm.md"
+DOC = ROOT / "docs" / "real-releases.md"
 
 
 def record(doc: Path, text: str) -> None:

@@ -249,6 +249,7 @@ def release(request: pytest.FixtureRequest) -> Iterator[Release]:
 def test_the_servers_run_the_release_with_the_guard(release: Release) -> None:
     """Each engine built the connector its rank names, and the guarded
     decode runs the guarded scheduler of this release."""
+    record(release.version, guard_started=False)  # until it passes
     guard_log = release.log(GUARD)
     assert re.search(r"wedge guard active: WedgeGuard\w*Scheduler", guard_log)
     assert "wedge guard active" not in release.log(STOCK)
@@ -258,6 +259,7 @@ def test_the_servers_run_the_release_with_the_guard(release: Release) -> None:
 
 
 def test_pd_outputs_through_the_router_equal_a_plain_server(release: Release) -> None:
+    record(release.version, pd_outputs_equal=False)  # until it passes
     router = release.cluster.router_url
     if release.series in CPU_PD_TRANSFER_BROKEN:
         _expect_broken_transfers(release)
@@ -288,6 +290,7 @@ def _expect_broken_transfers(release: Release) -> None:
 
 
 def test_every_guard_series_is_exported_with_its_help(release: Release) -> None:
+    record(release.version, series_exported=False)  # until it passes
     text = get_text(f"{release.cluster.decode_urls[GUARD]}/metrics")
     names = [n for n, _, _ in COUNTER_METRICS] + [n for n, _, _ in GAUGE_METRICS]
     for name in names:
