@@ -45,18 +45,9 @@ Whether B arrives before A's load ends is a race on a real server (the load
 takes milliseconds): :func:`form_seed` reports what happened, and the tests
 try fresh prompts until the wedge forms (or the guard acts).
 
-Head of line (vLLM 0.19-0.30, default scheduler config; the store's
-deferred lookups, ``lookup_async``, which MooncakeStoreConnector has from
-0.25), on a decode pool of :data:`W1_DECODE_BLOCKS`:
-
-1. B's decode leg (a P->D request of 3 blocks) is admitted and waits for
-   the prefill's push;
-2. C (480 tokens, 4 blocks) arrives; its store lookup is deferred ("ask
-   later"), so C is skipped into ``skipped_waiting`` -- in front of B, which
-   waits there for its receive. Next step C's lookup is back, C needs 4
-   blocks with 2 free, and the admission loop breaks on it;
-3. B's prefill leg is sent and B's receive completes: B needs no block to
-   run, but sits behind C for good.
+The head-of-line wedge is not formed here: on stock servers over [store,
+P->D] the store's deferred lookup defers the holder as well, so the layout
+never arises (docs/real-releases.md).
 
 W2 (``kv_load_failure_policy=recompute`` and a store load that fails
 entirely), same pool: the store learns A's prefix, then loses it -- its
@@ -101,7 +92,6 @@ MAX_TOKENS = 16
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 GENERATED = "vllm:generation_tokens_total"
-KV_USAGE = "vllm:kv_cache_usage_perc"
 FETCH_STAGE = "vllm:num_requests_kv_fetch_by_stage"
 # mooncake_master's counters of completed puts (single and batched)
 STORE_PUTS_DONE = ("master_put_end_requests_total", "master_batch_put_end_items_total")
@@ -320,57 +310,6 @@ def form_w2(
     legs = PDLegs(prefill_url, decode_url, bootstrap_url, request_timeout)
     return legs.run(
         prompts.failing, prompts.holder, lambda _: time.sleep(failing_for), hold_s
-    )
-
-
-@dataclass(frozen=True)
-class HolPrompts:
-    """C: 480 tokens (4 blocks), no prefix stored; B: 300 tokens (3 blocks)
-    over P->D. With 5 usable blocks, after B's 3 C's 4 never fit."""
-
-    head: list[int]  # C
-    holder: list[int]  # B
-
-    @classmethod
-    def make(cls, seed: int) -> HolPrompts:
-        return cls(token_prompt(480, 7000 + seed), token_prompt(300, 8000 + seed))
-
-
-def form_hol(
-    prefill_url: str,
-    decode_url: str,
-    bootstrap_url: str,
-    prompts: HolPrompts,
-    hold_s: float,
-    request_timeout: float,
-    lookup_s: float = 1.0,
-) -> WedgeRun:
-    """Drive ``decode_url`` into the head-of-line wedge (module docstring);
-    its store child must defer lookups (``lookup_async``).
-
-    C goes out only once B holds its blocks: had both lookups been deferred
-    in one step, C would be admitted first and run.
-    """
-    legs = PDLegs(prefill_url, decode_url, bootstrap_url, request_timeout)
-    before = scrape(decode_url)
-    prefill_params, decode_params = mooncake_legs(bootstrap_url)
-    holder = legs.send(decode_url, prompts.holder, MAX_TOKENS, 0, decode_params)
-    wait_for(
-        "B holds its blocks, waiting for its P->D receive",
-        lambda: metric_total(scrape(decode_url), KV_USAGE) > 0,
-        timeout=30,
-        poll=0.05,
-    )
-    head = legs.send(decode_url, prompts.head, MAX_TOKENS, 0, None)
-    time.sleep(lookup_s)
-    prefill_leg = legs.send(prefill_url, prompts.holder, 1, 0, prefill_params)
-    return _watch(
-        decode_url,
-        (head, prompts.head),
-        (holder, prompts.holder),
-        prefill_leg,
-        before,
-        hold_s,
     )
 
 
@@ -600,7 +539,6 @@ def main(argv: list[str] | None = None) -> int:
 
 __all__ = [
     "MAX_TOKENS",
-    "HolPrompts",
     "PDLegs",
     "SEED_DECODE_BLOCKS",
     "SEED_MAX_MODEL_LEN",
@@ -612,7 +550,6 @@ __all__ = [
     "W1Prompts",
     "W2Prompts",
     "WedgeRun",
-    "form_hol",
     "form_seed",
     "form_w1",
     "form_w2",
