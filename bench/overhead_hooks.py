@@ -10,10 +10,12 @@ difference is what the guard adds there, measured in the running loop
 reads about a third of it.
 
 Rows nest where the calls do (``add_request`` holds ``on_new_request``,
-``_update_from_kv_xfer_finished`` holds ``update_connector_output``, which
-holds the second ``filter_recv_notices``; ``request_finished_all_groups``
-holds ``request_finished``). Each wrapper adds about the same time to both
-variants. ::
+``_update_from_kv_xfer_finished`` holds ``update_connector_output``,
+``wedge_guard.watch.after_schedule`` holds ``guard_holders.census``,
+``request_finished_all_groups`` holds
+``request_finished``). The guard's own rows are its public parts
+(``guard_valve``, ``guard_holders``, the scheduler side's rooms), never a
+private name. Each wrapper adds about the same time to both variants. ::
 
     python bench/overhead_hooks.py                # 256 running, 16 x 30 steps
     python bench/overhead_hooks.py --size 1024 --rounds 8
@@ -50,14 +52,23 @@ SCHEDULER_METHODS = (
     "_inflight_prefill_reserved_blocks",
     "_update_from_kv_xfer_finished",
 )
-GUARD_ONLY = ("_arm_valve", "_after_schedule", "_count_holders", "_failed_loads")
-SIDE_ONLY = ("filter_recv_notices", "record_failed_loads")
+# The guard's parts (a path of public attributes from the scheduler) and the
+# method of each that runs per step.
+GUARD_ONLY = (
+    ("guard_valve", "arm"),
+    ("wedge_guard.watch", "after_schedule"),
+    ("guard_holders", "census"),
+    ("guard_holders", "failed_loads"),
+    ("wedge_guard.notices", "filter"),
+    ("wedge_guard.ownership", "record_failed_loads"),
+)
 
 Totals = defaultdict[str, list[float]]  # hook -> [CPU seconds, calls]
 
 
-def instrument(obj: Any, name: str, totals: Totals) -> None:
-    """Shadow ``obj.name`` with a wrapper adding its CPU time to ``totals``."""
+def instrument(obj: Any, name: str, totals: Totals, label: str = "") -> None:
+    """Shadow ``obj.name`` with a wrapper adding its CPU time to ``totals``
+    (under ``label``, else ``name``)."""
     inner: Callable[..., Any] = getattr(obj, name)
     clock = time.thread_time
 
@@ -66,7 +77,7 @@ def instrument(obj: Any, name: str, totals: Totals) -> None:
         try:
             return inner(*args, **kwargs)
         finally:
-            entry = totals[name]
+            entry = totals[label or name]
             entry[0] += clock() - start
             entry[1] += 1
 
@@ -84,10 +95,11 @@ def instrumented(name: str, size: int) -> tuple[Variant, Totals]:
         if hasattr(scheduler, method):
             instrument(scheduler, method, totals)
     if name != STOCK:
-        for method in GUARD_ONLY:
-            instrument(scheduler, method, totals)
-        for method in SIDE_ONLY:
-            instrument(scheduler.wedge_guard, method, totals)
+        for path, method in GUARD_ONLY:
+            part = scheduler
+            for attr in path.split("."):
+                part = getattr(part, attr)
+            instrument(part, method, totals, f"{path}.{method}")
     return variant, totals
 
 

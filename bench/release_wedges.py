@@ -21,7 +21,7 @@ seed and HOL need none, so both stock columns match there)::
 
     python bench/release_wedges.py                 # every release, 0.19-0.34
     python bench/release_wedges.py 0.30.0 0.34.0   # some
-    python bench/release_wedges.py --record        # also update README.md
+    python bench/release_wedges.py --record        # also update docs/supported-vllm.md
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ STEPS = 200
 ORDER = ("seed", "hol", "w1", "w2")
 LABEL = {"seed": "seed", "hol": "HOL", "w1": "W1", "w2": "W2"}
 COLUMNS = ("defaults", "own-config", "guarded")
-README = ROOT / "README.md"
+TABLE_PAGE = ROOT / "docs" / "supported-vllm.md"  # its release-wedges block
 BEGIN, END = "<!-- release-wedges:begin -->", "<!-- release-wedges:end -->"
 
 
@@ -127,12 +127,12 @@ def markdown(results: list[tuple[str, dict[str, dict[str, str]] | str, float]]) 
 
 
 def record(text: str) -> None:
-    current = README.read_text()
+    current = TABLE_PAGE.read_text()
     block = f"{BEGIN}\n{text}\n{END}"
     if BEGIN not in current:
-        raise SystemExit(f"README.md has no {BEGIN} ... {END} block to update")
+        raise SystemExit(f"{TABLE_PAGE} has no {BEGIN} ... {END} block to update")
     pattern = re.escape(BEGIN) + ".*?" + re.escape(END)
-    README.write_text(re.sub(pattern, lambda _: block, current, flags=re.S))
+    TABLE_PAGE.write_text(re.sub(pattern, lambda _: block, current, flags=re.S))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
     versions = args.versions or list(RELEASES)
     if args.record and versions != list(RELEASES):
-        parser.error("--record rewrites README's whole table: measure every release")
+        parser.error("--record rewrites the whole table: measure every release")
     began = time.time()
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         results = list(pool.map(measure, versions))

@@ -24,21 +24,29 @@ def pytest_report_header() -> str:
     return f"vLLM {installed_vllm_version()}"
 
 
-GUARD_LOGGER = "vllm.vllm_mooncake.guard.scheduler_side"
+# The scheduler side and its rooms: the lines an operator acts on (the
+# resolution WARNING, the wedge alarm, dropped notices, disagreements, the
+# retry cut-off, ledger inconsistencies).
+GUARD_LOGGERS = tuple(
+    f"vllm.vllm_mooncake.guard.{module}"
+    for module in ("scheduler_side", "ownership", "notices", "stall_watch")
+)
 
 
 @pytest.fixture
 def guard_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
     """Capture the guard's log records (its WARNING/ERROR lines), whatever
     vLLM's logging config does with propagation."""
-    log = logging.getLogger(GUARD_LOGGER)
-    level, propagate = log.level, log.propagate
-    log.addHandler(caplog.handler)
-    log.setLevel(logging.DEBUG)
-    log.propagate = False  # records reach caplog once, through its handler
+    logs = [logging.getLogger(name) for name in GUARD_LOGGERS]
+    saved = [(log.level, log.propagate) for log in logs]
+    for log in logs:
+        log.addHandler(caplog.handler)
+        log.setLevel(logging.DEBUG)
+        log.propagate = False  # records reach caplog once, through its handler
     try:
         yield caplog
     finally:
-        log.removeHandler(caplog.handler)
-        log.setLevel(level)
-        log.propagate = propagate
+        for log, (level, propagate) in zip(logs, saved, strict=True):
+            log.removeHandler(caplog.handler)
+            log.setLevel(level)
+            log.propagate = propagate

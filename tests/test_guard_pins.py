@@ -35,7 +35,6 @@ manager run on the CPU; only the GPU and the wire are fake.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,13 +52,15 @@ from vllm_mooncake.guard.ledger import (
     Victim,
     WaitStatus,
 )
+from vllm_mooncake.guard.observer import GuardObserver
 from vllm_mooncake.guard.routing import (
     PD_CLAIM_KEYS,
     ChildRouter,
     UnroutableRequest,
 )
 from vllm_mooncake.guard.scheduler import WedgeGuardAsyncScheduler
-from vllm_mooncake.guard.scheduler_side import GuardSchedulerSide, StepObservation
+from vllm_mooncake.guard.scheduler_side import GuardSchedulerSide
+from vllm_mooncake.guard.stall_watch import StepObservation
 from vllm_mooncake.testing.configs import guarded, store_hit
 from vllm_mooncake.testing.driver import (
     SAMPLED_TOKEN_ID,
@@ -123,10 +124,11 @@ def test_in_flight_holder_shown_waiting_or_preempted_is_never_the_victim(
     assert "Y" in d.worker.in_flight  # the transfer is still writing
     assert side.stats.total_lateral_preemptions == 0
     sched.requests["Y"].status = shown
-    views = {v.req_id: v for v in sched._holder_views()}
+    holders = sched.guard_holders.views()
+    views = {v.req_id: v for v in holders}
     assert views["Y"].status.value == shown.name.lower()
     assert views["Y"].num_blocks == 50
-    assert sched._choose_victim(sched.requests["X"]) is None
+    assert side.pick_victim(holders, "X") is None
 
 
 # ---- 2. a zero-token step with a request running is no stall ---------------------
@@ -142,10 +144,10 @@ def test_a_step_that_schedules_nothing_while_a_request_runs_is_no_stall() -> Non
     side = _side(stall_alarm_steps=1)
     holders = [HolderView("H", WaitStatus.WAITING, 320, 20, False)]
     for _ in range(5):
-        side.observe_step(StepObservation.of(0, 1, (), holders), lambda: holders)
+        side.watch.observe_step(StepObservation.of(0, 1, (), holders), lambda: holders)
         assert side.stats.stalled_steps == 0
     assert side.stats.wedges_detected == 0
-    side.observe_step(StepObservation.of(0, 0, (), holders), lambda: holders)
+    side.watch.observe_step(StepObservation.of(0, 0, (), holders), lambda: holders)
     assert side.stats.stalled_steps == 1
     assert side.stats.wedges_detected == 1
 
@@ -192,7 +194,7 @@ def test_async_step_with_nothing_left_for_a_running_request_raises_no_alarm(
     assert first.num_scheduled_tokens == {"R": 1}
     assert second.total_num_scheduled_tokens == 0
     assert [r.request_id for r in sched.running] == ["R"]
-    (holder,) = sched._holder_views()
+    (holder,) = sched.guard_holders.views()
     assert (holder.req_id, holder.status, holder.num_blocks) == (
         "H",
         WaitStatus.WAITING,
@@ -264,8 +266,7 @@ def test_two_disagreements_on_one_request_count_two_and_log_once(
     for n in (1, 2):
         assert sched._awaits_recv_notice("r")
         output = KVConnectorOutput(finished_recving={"r"})
-        side.filter_recv_notices(output, sched._awaits_recv_notice)
-        side.end_output()
+        side.notices.filter(output, sched._awaits_recv_notice, lambda r: ())
         assert output.finished_recving == {"r"}  # vLLM's state wins
         assert side.stats.ledger_disagreements == {"no_recv": n}
     assert len(_messages(guard_log, "ledger disagrees")) == 1
@@ -364,14 +365,17 @@ class AfterLateral:
 
 def _watch_laterals(d: SchedulerDriver) -> list[AfterLateral]:
     """Record each lateral victim right after the guard undid its admission
-    (before the admission it made room for is retried)."""
+    (before the admission it made room for is retried), through the guard's
+    observer seam."""
     sched = d.scheduler
-    preempt: Callable[[Victim, Request], None] = sched._preempt_laterally
     pool = sched.kv_cache_manager.block_pool
     seen: list[AfterLateral] = []
 
-    def watched(victim: Victim, target: Request) -> None:
-        preempt(victim, target)
+    class Watched(GuardObserver):
+        def after_lateral(self, victim: Victim, target: Request) -> None:
+            record(victim)
+
+    def record(victim: Victim) -> None:
         request = sched.requests[victim.req_id]
         hashes = request.block_hashes[: request.num_prompt_tokens // BLOCK]
         stages = sched._kv_fetch_stages or {}
@@ -396,7 +400,7 @@ def _watch_laterals(d: SchedulerDriver) -> list[AfterLateral]:
             )
         )
 
-    sched._preempt_laterally = watched
+    sched.add_guard_observer(Watched())
     return seen
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_mooncake.compat.releases import installed_layout
+from vllm_mooncake.compat.releases import SchedulerAccess, installed_layout
 from vllm_mooncake.testing.configs import (
     guarded,
     pd_transfer,
@@ -21,16 +21,17 @@ def test_both_waiting_queues_are_searched_for_victims() -> None:
     d = SchedulerDriver.build(W1.shape, guarded("reserve"))
     play(d, W1, max_steps=8)  # wedged: X promoted at the head, Y recv-done
     sched = d.scheduler
-    holder_queue, waiting = sched._access.holder_queues()
+    holder_queue, waiting = SchedulerAccess(sched, installed_layout()).holder_queues()
     y = sched.requests["Y"]
     assert y in holder_queue
-    views = {v.req_id for v in sched._holder_views()}
+    views = {v.req_id for v in sched.guard_holders.views()}
     assert views == {"X", "Y"}
     # Move Y to the other queue: still seen, still the victim.
     holder_queue.remove_request(y)
     waiting.add_request(y)
-    assert {v.req_id for v in sched._holder_views()} == {"X", "Y"}
-    victim = sched._choose_victim(sched.requests["X"])
+    holders = sched.guard_holders.views()
+    assert {v.req_id for v in holders} == {"X", "Y"}
+    victim = sched.wedge_guard.pick_victim(holders, "X")
     assert victim is not None and victim.req_id == "Y"
 
 

@@ -1,12 +1,17 @@
-"""The house plan's import contracts pass, and fail when the plan is broken.
+"""The house plan's contracts pass, and fail when the plan is broken.
 
-``make lint`` runs ``lint-imports`` over the contracts in ``pyproject.toml``.
-Here the same contracts run on copies of the package with one rule broken
-at a time, to show that each kind of break is caught.
+``make lint`` runs ``lint-imports`` over the contracts in ``pyproject.toml``:
+the import layers, the rooms of ``guard/``, the plain modules, no cycles,
+and no private reach into ``guard/`` (a contract of our own,
+``vllm_mooncake/testing/private_reach.py``). Here the same contracts run on
+copies of the package with one rule broken at a time, to show that each
+kind of break is caught. The size rules of ``guard/``'s rooms
+(``docs/architecture.md``) are checked here directly.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -29,11 +34,12 @@ def _lint(tree: Path) -> subprocess.CompletedProcess[str]:
 
 def _copy(tmp_path: Path) -> Path:
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    shutil.copytree(
-        ROOT / "vllm_mooncake",
-        tmp_path / "vllm_mooncake",
-        ignore=shutil.ignore_patterns("__pycache__", "*.yaml"),
-    )
+    for tree in ("vllm_mooncake", "bench"):  # bench: the private-reach rule reads it
+        shutil.copytree(
+            ROOT / tree,
+            tmp_path / tree,
+            ignore=shutil.ignore_patterns("__pycache__", "*.yaml", "*.png"),
+        )
     return tmp_path
 
 
@@ -75,6 +81,36 @@ BREAKS = {
         "import vllm_mooncake.guard.scheduler",
         "No import cycles",
     ),
+    "a room of the scheduler side imports the valve": (
+        "vllm_mooncake.guard.ownership",
+        "import vllm_mooncake.guard.valve",
+        "Rooms of guard/",
+    ),
+    "two rooms of the scheduler side know each other": (
+        "vllm_mooncake.guard.notices",
+        "import vllm_mooncake.guard.stall_watch",
+        "Rooms of guard/",
+    ),
+    "the stall watch imports vLLM": (
+        "vllm_mooncake.guard.stall_watch",
+        "import vllm.config",
+        "Plain modules",
+    ),
+    "a test double reads a private attribute of guard/": (
+        "vllm_mooncake.testing.invariants",
+        "budget = lambda scheduler: scheduler.guard_valve._budget",
+        "No private reach",
+    ),
+    "the simulator names a private method of guard/": (
+        "vllm_mooncake.tools.sim.rank",
+        "HOOKS = ('_may_preempt_for',)",
+        "No private reach",
+    ),
+    "a benchmark imports a private name of guard/": (
+        "bench.overhead_hooks",
+        "from vllm_mooncake.guard.scheduler import _reports_loads",
+        "No private reach",
+    ),
 }
 
 
@@ -96,3 +132,42 @@ def _verdict(report: str, contract: str) -> str:
     after = text[text.index(contract) :]
     kept, broken = after.find(" KEPT"), after.find(" BROKEN")
     return "BROKEN" if broken != -1 and (kept == -1 or broken < kept) else "KEPT"
+
+
+# ---- the rooms of guard/ stay small ---------------------------------------------
+GUARD = ROOT / "vllm_mooncake" / "guard"
+MAX_PUBLIC_METHODS = 12
+MAX_LINES = 400
+# One method per state change, one per vLLM hook: long by design.
+WIDE_CLASSES = {"BlockLedger", "ContainedChild"}
+LONG_MODULES = {"ledger.py"}
+
+
+def _public_methods(cls: ast.ClassDef) -> set[str]:
+    return {
+        n.name
+        for n in cls.body
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+        and not n.name.startswith("_")
+    }
+
+
+def test_no_class_of_guard_has_more_than_twelve_public_methods() -> None:
+    wide = {}
+    for path in sorted(GUARD.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name not in WIDE_CLASSES:
+                methods = _public_methods(node)
+                if len(methods) > MAX_PUBLIC_METHODS:
+                    wide[f"{path.name}:{node.name}"] = sorted(methods)
+    assert not wide, wide
+
+
+def test_no_module_of_guard_but_the_ledger_exceeds_400_lines() -> None:
+    long = {
+        path.name: n
+        for path in sorted(GUARD.glob("*.py"))
+        if path.name not in LONG_MODULES
+        and (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, long

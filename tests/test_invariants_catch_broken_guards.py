@@ -22,7 +22,8 @@ from vllm_mooncake.guard.ledger import (
 )
 from vllm_mooncake.guard.routing import ChildRouter
 from vllm_mooncake.guard.scheduler import WedgeGuardMixin
-from vllm_mooncake.guard.scheduler_side import GuardSchedulerSide
+from vllm_mooncake.guard.stall_watch import StallWatch
+from vllm_mooncake.guard.valve import LateralValve
 from vllm_mooncake.testing.cases import RandomDraw, draw_case, run_case
 from vllm_mooncake.testing.configs import guarded
 from vllm_mooncake.testing.driver import SchedulerDriver
@@ -154,10 +155,11 @@ def test_blocks_freed_behind_the_books_break_conservation(
 ) -> None:
     """The victim's blocks go back to the pool while vLLM still lists them as
     the victim's: the target is then given blocks the victim still owns."""
-    preempt = WedgeGuardMixin._preempt_laterally
+    preempt = LateralValve.preempt
 
     def frees_behind_the_books(self: Any, victim: Any, target: Any) -> None:
-        manager = self.kv_cache_manager
+        scheduler = self.scheduler
+        manager = scheduler.kv_cache_manager
         single = manager.coordinator.single_type_managers[0]
 
         def free(request: Any) -> None:
@@ -165,13 +167,13 @@ def test_blocks_freed_behind_the_books_break_conservation(
                 list(single.req_to_blocks[request.request_id])
             )
 
-        self._free_request_blocks = free
+        scheduler._free_request_blocks = free
         try:
             preempt(self, victim, target)
         finally:
-            del self._free_request_blocks
+            del scheduler._free_request_blocks
 
-    monkeypatch.setattr(WedgeGuardMixin, "_preempt_laterally", frees_behind_the_books)
+    monkeypatch.setattr(LateralValve, "preempt", frees_behind_the_books)
     # (the lateral check sees the victim still listing its blocks first)
     error = broken(monkeypatch, BLOCKS, SEED, "lateral", skip=(LATERAL,))
     assert "ref_cnt 1 but 2 reference(s) (held by ['A', 'B']" in str(error)
@@ -219,21 +221,20 @@ def test_never_executed_victim_sent_as_resumed_is_caught(
 
 # ---- ends: a victim that is never re-queued (lost), or a valve that never opens ----
 def test_lost_victim_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    preempt = WedgeGuardMixin._preempt_laterally
+    preempt = LateralValve.preempt
 
     def loses_victim(self: Any, victim: Any, target: Any) -> None:
         preempt(self, victim, target)
-        self.waiting.remove_request(self.requests[victim.req_id])
+        scheduler = self.scheduler
+        scheduler.waiting.remove_request(scheduler.requests[victim.req_id])
 
-    monkeypatch.setattr(WedgeGuardMixin, "_preempt_laterally", loses_victim)
+    monkeypatch.setattr(LateralValve, "preempt", loses_victim)
     error = broken(monkeypatch, ENDS, SEED, "lateral")
     assert "B never ended (WAITING)" in str(error)
 
 
 def _valve_shut(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(
-        WedgeGuardMixin, "_may_preempt_for", lambda self, request: False
-    )
+    monkeypatch.setattr(LateralValve, "_may_preempt_for", lambda self, request: False)
 
 
 def test_wedge_is_caught_as_a_request_that_never_ends(
@@ -288,11 +289,11 @@ def test_generated_runs_pass_the_policy_checks_on_the_real_guard() -> None:
 def _ignoring(
     monkeypatch: pytest.MonkeyPatch, method: str, **config: Any
 ) -> None:  # fmt: skip
-    """``method`` of the guarded scheduler runs with ``config`` overridden."""
-    original = getattr(WedgeGuardMixin, method)
+    """``method`` of the guard's valve runs with ``config`` overridden."""
+    original = getattr(LateralValve, method)
 
     def patched(self: Any, *args: Any, **kwargs: Any) -> Any:
-        side = self.wedge_guard
+        side = self.side
         real = side.config
         side.config = replace(real, **config)
         try:
@@ -300,7 +301,7 @@ def _ignoring(
         finally:
             side.config = real
 
-    monkeypatch.setattr(WedgeGuardMixin, method, patched)
+    monkeypatch.setattr(LateralValve, method, patched)
 
 
 def test_valve_opening_while_requests_run_is_caught(
@@ -308,9 +309,8 @@ def test_valve_opening_while_requests_run_is_caught(
 ) -> None:
     """The ``only_when_idle`` check removed: a victim is preempted while
     another request runs (the stall would have ended by itself)."""
-    for method in ("_may_preempt_for", "_arm_valve"):
-        if hasattr(WedgeGuardMixin, method):
-            _ignoring(monkeypatch, method, only_when_idle=False)
+    for method in ("_may_preempt_for", "arm"):
+        _ignoring(monkeypatch, method, only_when_idle=False)
     error = first_violation({LATERAL}, **WEDGE_PRONE)
     assert "running (only_when_idle)" in str(error)
 
@@ -320,15 +320,18 @@ def test_reservation_not_recomputed_after_a_preemption_is_caught(
 ) -> None:
     """The valve retries the admission against the reservation it had
     before it preempted a victim that was itself in the reservation."""
-    install = WedgeGuardMixin._install_admission_valve
+    install = LateralValve._install_admission_valve
 
     def without_recompute(self: Any) -> None:
-        manager = self.kv_cache_manager
-        stock = manager.allocate_slots
+        manager = self.scheduler.kv_cache_manager
         first: dict[str, tuple[int, Any]] = {}
 
+        def stock(request: Any, *args: Any, **kwargs: Any) -> Any:
+            # vLLM's method of the manager's class now (the checker probes it)
+            return type(manager).allocate_slots(manager, request, *args, **kwargs)
+
         def stale(request: Any, *args: Any, **kwargs: Any) -> Any:
-            made = len(self._lateral_this_call)
+            made = len(self.lateral)
             seen = first.get(request.request_id)
             if seen is not None and seen[0] < made and "reserved_blocks" in kwargs:
                 kwargs["reserved_blocks"] = seen[1]  # the value before the preemption
@@ -339,7 +342,7 @@ def test_reservation_not_recomputed_after_a_preemption_is_caught(
         manager.allocate_slots = stale
         install(self)
 
-    monkeypatch.setattr(WedgeGuardMixin, "_install_admission_valve", without_recompute)
+    monkeypatch.setattr(LateralValve, "_install_admission_valve", without_recompute)
     error = first_violation({RESERVATION}, policies=("reserve+lateral",), burst=True)
     assert "a fresh computation gives" in str(error)
 
@@ -397,14 +400,14 @@ def test_two_stalls_raise_two_alarms_on_the_real_guard() -> None:
 
 def test_alarm_never_re_armed_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Once raised, the alarm stays raised: the next stall goes unreported."""
-    observe = GuardSchedulerSide.observe_step
+    observe = StallWatch.observe_step
 
     def never_re_armed(self: Any, *args: Any, **kwargs: Any) -> None:
         raised = self._alarm_raised
         observe(self, *args, **kwargs)
         self._alarm_raised = self._alarm_raised or raised
 
-    monkeypatch.setattr(GuardSchedulerSide, "observe_step", never_re_armed)
+    monkeypatch.setattr(StallWatch, "observe_step", never_re_armed)
     with pytest.raises(InvariantViolation) as info:
         _two_stalls()
     assert info.value.invariant == ALARM
@@ -434,15 +437,15 @@ def test_every_load_routed_to_the_first_child_is_caught(
 def test_victim_keeping_its_computed_tokens_is_caught(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    preempt = WedgeGuardMixin._preempt_laterally
+    preempt = LateralValve.preempt
 
     def keeps_tokens(self: Any, victim: Any, target: Any) -> None:
-        request = self.requests[victim.req_id]
+        request = self.scheduler.requests[victim.req_id]
         computed = request.num_computed_tokens
         preempt(self, victim, target)
         request.num_computed_tokens = computed
 
-    monkeypatch.setattr(WedgeGuardMixin, "_preempt_laterally", keeps_tokens)
+    monkeypatch.setattr(LateralValve, "preempt", keeps_tokens)
     error = broken(monkeypatch, LATERAL, SEED, "lateral")
     assert "lateral victim B keeps 800 computed tokens" in str(error)
     error = first_violation({LATERAL, PREFIX}, **WEDGE_PRONE)
@@ -454,16 +457,16 @@ def test_off_by_one_max_attempts_is_caught(
     monkeypatch: pytest.MonkeyPatch, off_by: int
 ) -> None:
     """The per-call budget checked one too early or one too late."""
-    may_preempt = WedgeGuardMixin._may_preempt_for
+    may_preempt = LateralValve._may_preempt_for
 
     def off_by_one(self: Any, request: Any) -> bool:
-        self._lateral_budget += off_by
+        self._budget += off_by
         try:
             return bool(may_preempt(self, request))
         finally:
-            self._lateral_budget -= off_by
+            self._budget -= off_by
 
-    monkeypatch.setattr(WedgeGuardMixin, "_may_preempt_for", off_by_one)
+    monkeypatch.setattr(LateralValve, "_may_preempt_for", off_by_one)
     error = first_violation({LATERAL}, **WEDGE_PRONE)
     assert "max_attempts=" in str(error)
 

@@ -29,7 +29,7 @@ from vllm_mooncake.testing.leaks import assert_scheduler_empty
 STORE = "ScriptedLoadConnector[0]"
 PROMPT = 8 * 16
 STEPS = 80
-SIDE_LOGGER = "vllm.vllm_mooncake.guard.scheduler_side"
+SIDE_LOGGER = "vllm.vllm_mooncake.guard.ownership"
 
 
 def _always_failing(**more: object) -> dict[str, object]:

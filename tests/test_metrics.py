@@ -35,7 +35,7 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from vllm_mooncake import CONNECTOR_NAME
 from vllm_mooncake.guard.connector import WedgeGuardConnector
-from vllm_mooncake.guard.metrics import (
+from vllm_mooncake.guard.kv_stats import (
     GUARD_STATS_KEY,
     GuardKVConnectorStats,
     rebuild_guard_entry,
@@ -48,7 +48,7 @@ from vllm_mooncake.testing.wedges import W1, play
 
 LABELNAMES = ["model_name", "engine"]
 ENGINE_LABELS: dict[int, list[object]] = {0: ["tiny", "0"]}
-GUARD_LOGGER = "vllm.vllm_mooncake.guard.scheduler_side"
+GUARD_LOGGER = "vllm.vllm_mooncake.guard.stall_watch"
 
 
 # ---- helpers --------------------------------------------------------------------
@@ -287,7 +287,7 @@ def _busy_rank_with_a_holder(interval: float) -> tuple[SchedulerDriver, list[flo
     """R decodes; H then waits for a P->D receive that lands after 6 steps."""
     d = SchedulerDriver.build(W1.shape, guarded(gauge_interval_s=interval))
     now = [0.0]
-    connector_of(d).scheduler_side.clock = lambda: now[0]
+    connector_of(d).scheduler_side.watch.clock = lambda: now[0]
     d.add("R", 64, max_tokens=40)
     for _ in range(3):
         d.step()

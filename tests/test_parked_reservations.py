@@ -61,7 +61,7 @@ def test_guarded_runs_finish_and_leave_no_parked_state(
     def check_victims(_: StepResult) -> None:
         # Right after a lateral preemption: no trace of the victim's
         # reservation, load slot or queue place other than `waiting`.
-        for victim, _target in sched._lateral_this_call:
+        for victim, _target in sched.guard_valve.lateral:
             request = sched.requests[victim.req_id]
             victims_seen.append(victim.req_id)
             assert request not in sched._parked_reservations

@@ -11,11 +11,17 @@ everything; the guard counts the disagreement and logs it once.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+    MultiConnector,
+)
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
+from vllm_mooncake.guard.connector import WedgeGuardConnector
 from vllm_mooncake.guard.scheduler import WedgeGuardScheduler
 from vllm_mooncake.testing.configs import guarded, pd_transfer, scripted_multi
 from vllm_mooncake.testing.driver import EngineShape, SchedulerDriver
@@ -27,7 +33,7 @@ from vllm_mooncake.testing.invariants import (
 )
 from vllm_mooncake.testing.leaks import assert_scheduler_empty, scheduler_leaks
 
-SIDE_LOGGER = "vllm.vllm_mooncake.guard.scheduler_side"
+SIDE_LOGGER = "vllm.vllm_mooncake.guard.notices"
 KINDS = ("stock", "guard")
 
 
@@ -114,8 +120,7 @@ def test_notice_the_ledger_expects_but_vllm_does_not_await_is_dropped() -> None:
     side = d.scheduler.wedge_guard
     assert side.ledger.expects_recv("p")
     output = KVConnectorOutput(finished_recving={"p"}, failed_recving={"p"})
-    side.filter_recv_notices(output, lambda req_id: False)
-    side.end_output()
+    side.notices.filter(output, lambda req_id: False, lambda req_id: ())
     assert not output.finished_recving and not output.failed_recving
     assert side.stats.ledger_disagreements == {"not_awaited": 1}
     assert not side.ledger.expects_recv("p")
@@ -125,7 +130,7 @@ def test_notice_the_ledger_expects_but_vllm_does_not_await_is_dropped() -> None:
     d2.step()
     side2 = d2.scheduler.wedge_guard
     output = KVConnectorOutput(finished_recving={"q"})
-    side2.filter_recv_notices(output, lambda req_id: True)
+    side2.notices.filter(output, lambda req_id: True, lambda req_id: ())
     assert output.finished_recving == {"q"}
     assert side2.stats.ledger_disagreements == {}
 
@@ -159,3 +164,34 @@ def test_notice_helpers_read_vllm_state_only() -> None:
     assert notice_problems({"a", "b"}, {"a"}) == [
         "b: vLLM waited on its receive notice but the guard dropped it"
     ]
+
+
+def test_each_worker_output_is_filtered_once_by_one_object() -> None:
+    """The guarded scheduler's ``update_from_output`` is the one caller of
+    the notice filter (``ReceiveNotices.filter``): each worker output that
+    reports a load goes through it once, and the connector forwards the
+    output as MultiConnector does."""
+    assert (
+        WedgeGuardConnector.update_connector_output
+        is MultiConnector.update_connector_output
+    )
+    d = _driver("guard")
+    side = d.scheduler.wedge_guard
+    filtered: list[Any] = []
+    real = side.notices.filter
+
+    def counting(output: Any, *args: Any) -> None:
+        filtered.append(output)
+        real(output, *args)
+
+    side.notices.filter = counting  # type: ignore[method-assign]
+    d.add("p", 64, max_tokens=2, kv_transfer_params=pd_transfer(done_after=2))
+    steps = d.run(20)
+    assert d.finished == {"p": "length"}
+    steps.append(d.step(finished_recving={"p"}))  # a late duplicate
+    outputs = [step.kv_connector_output for step in steps]
+    assert len(filtered) == 2  # the receive landing, the late notice
+    for output in filtered:
+        assert sum(output is o for o in outputs) == 1
+    assert side.stats.dropped_recv_notices == {"late": 1}
+    assert_scheduler_empty(d.scheduler)

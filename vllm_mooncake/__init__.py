@@ -1,18 +1,18 @@
 """vllm_mooncake: a wedge guard for prefill/decode disaggregated vLLM serving.
 
-Reading path:
+Reading path (``docs/architecture.md`` follows one request through it):
 
-1. ``guard/ledger.py``      -- the per-request KV block ledger (no vLLM imports).
-2. ``guard/config.py``      -- the guard section of ``kv_transfer_config``.
-3. ``guard/connector.py``   -- ``WedgeGuardConnector``, a MultiConnector facade
-                               that routes each load to its owning child and
-                               feeds the ledger.
-4. ``guard/scheduler.py``   -- ``WedgeGuardScheduler`` / ``WedgeGuardAsyncScheduler``:
-                               lateral preemption on admission failure.
-5. ``internals.py``         -- every private vLLM name we touch, in one place.
-6. ``plugin.py``            -- the ``vllm.general_plugins`` entry point.
-7. ``testing/``             -- the real-scheduler driver and scripted connector
-                               that tests and the simulator share.
+1. ``guard/``               -- the product: the ledger, the connector facade,
+                               the scheduler side's rooms, the guarded
+                               schedulers (its ``__init__.py`` lists them in
+                               reading order).
+2. ``compat/``              -- what differs between vLLM releases; every
+                               private vLLM name we touch (``internals.py``).
+3. ``plugin.py``            -- the ``vllm.general_plugins`` entry point.
+4. ``testing/``             -- the real-scheduler driver, the scripted
+                               connector and the invariant checker that tests
+                               and the simulator share.
+5. ``tools/``               -- the simulator, the local cluster, the checks.
 """
 
 from typing import Any

@@ -13,7 +13,12 @@
 - ``cpu.py``          -- patches for vLLM on hosts without an accelerator,
                          each with Why / How / Upstream / Removal, applied
                          from :func:`vllm_mooncake.plugin.register` only
-                         where needed.
+                         where needed;
+- ``servers.py``      -- what a real server of a release needs around it
+                         (hash seeds, the Mooncake bootstrap).
 
-Release-by-release facts: ``docs/vllm-scheduler-by-release.md``.
+Release-by-release facts: ``docs/vllm-scheduler-by-release.md``; where a
+new release's differences go: ``docs/architecture.md``, section 5.
 """
+
+__all__: list[str] = []  # the modules are the surface

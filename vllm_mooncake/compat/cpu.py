@@ -320,3 +320,24 @@ def apply() -> None:
     patch_current_device_index()
     patch_nixl_worker()
     patch_store_save_fence()
+
+
+__all__ = [
+    "CPU_DEVICE_INDEX",
+    "NIXL_THREAD_NICE",
+    "NIXL_WORKER_CLASS",
+    "NIXL_WORKER_MODULE",
+    "STORE_WORKER_MODULE",
+    "CompletedEvent",
+    "apply",
+    "has_accelerator",
+    "is_patched",
+    "patch_current_device_index",
+    "patch_nixl_worker",
+    "patch_store_save_fence",
+    "unpatch_current_device_index",
+    "unwrap_nixl_worker_init",
+    "unwrap_store_worker_torch",
+    "wrap_nixl_worker_init",
+    "wrap_store_worker_torch",
+]

@@ -324,3 +324,13 @@ def applicable_internals(series: str | None = None) -> list[Internal]:
 
 def missing_internals() -> list[str]:
     return [msg for item in applicable_internals() if (msg := check_internal(item))]
+
+
+__all__ = [
+    "BASELINE",
+    "INTERNALS",
+    "Internal",
+    "applicable_internals",
+    "check_internal",
+    "missing_internals",
+]

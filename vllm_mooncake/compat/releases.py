@@ -306,3 +306,15 @@ class SchedulerAccess:
         """Tell the connectors (0.25+ reads this set) of the preemption."""
         if self.release.reset_preempted:
             self._s.reset_preempted_req_ids.add(req_id)
+
+
+__all__ = [
+    "LAYOUT_BY_SERIES",
+    "QueueLayout",
+    "ReleaseLayout",
+    "SchedulerAccess",
+    "SpecDecodeBlocks",
+    "installed_layout",
+    "kv_output_has_failed_recving",
+    "layout_of",
+]

@@ -391,3 +391,26 @@ def fetch_wheel(cache: Path, spec: str, timeout: float = 300) -> Path:
     if proc.returncode != 0 or found is None:
         raise RuntimeError(f"pip download {spec} failed: {proc.stderr.strip()[-500:]}")
     return found
+
+
+__all__ = [
+    "BROKEN",
+    "CHANGED",
+    "MISSING",
+    "OK",
+    "ClassIndex",
+    "DirSource",
+    "Finding",
+    "Report",
+    "Shape",
+    "SourceTree",
+    "WheelSource",
+    "call_sites",
+    "check_tree",
+    "compare",
+    "fetch_wheel",
+    "installed_source",
+    "new_state",
+    "read_shape",
+    "wheel_path",
+]

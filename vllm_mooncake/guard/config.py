@@ -59,7 +59,7 @@ class Policy(enum.Enum):
 POLICY_NAMES = tuple(p.value for p in Policy)
 # Upstream admission plus the valve: dropping the reservation (LATERAL) gains
 # no throughput on the simulator and loses some on bursts of async loads
-# (bench/throughput.py; figures in bench/RESULTS.md and README, Benchmarks).
+# (bench/throughput.py; figures in bench/RESULTS.md and docs/benchmarks.md).
 DEFAULT_POLICY = Policy.RESERVE_LATERAL
 MAX_ATTEMPTS_RANGE = (1, 1024)
 MAX_FAILED_LOADS_RANGE = (1, 1000)

@@ -2,28 +2,27 @@
 
 Worker side: MultiConnector's, unchanged (the worker builds none of the
 guard). Scheduler side: each hook goes to MultiConnector -- or, for a request
-whose ``kv_transfer_params`` name a child, to that child alone -- and is then
-reported to :class:`~vllm_mooncake.guard.scheduler_side.GuardSchedulerSide`,
-which holds every piece of the guard's state:
+whose ``kv_transfer_params`` name a child, to that child alone -- and one
+call reports it to the guard's state,
+:class:`~vllm_mooncake.guard.scheduler_side.GuardSchedulerSide`
+(``docs/architecture.md`` follows a request through them):
 
 =========================  ============================================
-vLLM hook                  scheduler side
+vLLM hook                  the guard's scheduler side
 =========================  ============================================
 on_new_request             on_arrival
-get_num_new_matched_tokens route, within_retry_budget (no hit past
-                           max_failed_loads), record_lookup (owner child,
-                           async or not)
-update_state_after_alloc   owner_first, record_alloc (receive in flight if
-                           async)
+get_num_new_matched_tokens ownership.look_up (route to the named child;
+                           no hit past max_failed_loads; owner recorded)
+update_state_after_alloc   ownership.allocate (owner first; receive in
+                           flight if async; a load never started is failed)
 build_connector_meta       observe_scheduler_output (scheduled / preempted)
-update_connector_output    filter_recv_notices (duplicate and late notices
-                           dropped *before* vLLM's scheduler reads them; the
-                           guarded scheduler filters earlier still)
 request_finished[_all...]  record_finished
 =========================  ============================================
 
-The guarded scheduler (``guard/scheduler.py``) talks to the scheduler side
-directly, through :attr:`WedgeGuardConnector.scheduler_side`.
+``update_connector_output`` is MultiConnector's: the guarded scheduler
+(``guard/scheduler.py``) has filtered the receive notices before vLLM reads
+them, and talks to the scheduler side directly, through
+:attr:`WedgeGuardConnector.scheduler_side`.
 """
 
 from __future__ import annotations
@@ -31,23 +30,25 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
 )
 
 from vllm_mooncake.guard.config import GuardConfig, validate_children
 from vllm_mooncake.guard.containment import ContainedChild
-from vllm_mooncake.guard.metrics import (
+from vllm_mooncake.guard.kv_stats import (
     GuardKVConnectorStats,
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-    WedgeGuardPromMetrics,
     guard_stats_report,
     rebuild_guard_entry,
     with_guard_report,
 )
+from vllm_mooncake.guard.metrics import WedgeGuardPromMetrics
 from vllm_mooncake.guard.routing import ChildRouter
-from vllm_mooncake.guard.scheduler_side import UNROUTABLE, GuardSchedulerSide
+from vllm_mooncake.guard.scheduler_side import GuardSchedulerSide
 from vllm_mooncake.guard.stats import GuardStats
 
 if TYPE_CHECKING:
@@ -55,7 +56,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["WedgeGuardConnector"]
@@ -88,7 +88,7 @@ class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
                 vllm_config.cache_config.block_size,
             )
             self._connectors = [
-                ContainedChild(child, name, self._side.on_child_fault)
+                ContainedChild(child, name, self._side.ownership.on_child_fault)
                 for child, name in zip(self._connectors, router.names, strict=True)
             ]
 
@@ -108,61 +108,26 @@ class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        side: GuardSchedulerSide = self._side  # type: ignore[assignment]
-        owner = side.route(request, num_computed_tokens)
-        if owner == UNROUTABLE:
-            return 0, False
-        req_id = request.request_id
-        if owner is None:
-            num_tokens, is_async = super().get_num_new_matched_tokens(
-                request, num_computed_tokens
-            )
-            if num_tokens:
-                owner = side.owner_of(req_id)
-        else:
-            num_tokens, is_async = self._connectors[owner].get_num_new_matched_tokens(
-                request, num_computed_tokens
-            )
-        if num_tokens is None:
-            return None, False
-        if num_tokens and not side.within_retry_budget(req_id, owner, num_tokens):
-            num_tokens, is_async, owner = 0, False, None  # computed locally
-        side.record_lookup(req_id, owner, num_tokens, is_async)
-        return num_tokens, is_async
+        return self._side.ownership.look_up(  # type: ignore[union-attr]
+            request,
+            num_computed_tokens,
+            self._connectors,
+            super().get_num_new_matched_tokens,
+        )
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        """Tell the owning child first, then the others (with 0 tokens).
-
-        MultiConnector goes in config order; a non-owner that runs first can
-        consume shared ``kv_transfer_params`` (NIXL sets ``do_remote_prefill``
-        to False on a request it does not load), and the owner then never
-        asks its worker to fetch -- the request would wait forever.
-        """
-        side: GuardSchedulerSide = self._side  # type: ignore[assignment]
-        children = self._connectors
-        owner, order = side.alloc_order(request.request_id, len(children))
-        for i in order:
-            tokens = num_external_tokens if i == owner else 0
-            children[i].update_state_after_alloc(request, blocks, tokens)
-        side.record_alloc(request, blocks, num_external_tokens)
+        """Tell the owning child first, then the others (with 0 tokens):
+        see ``LoadOwnership.allocate``."""
+        self._side.ownership.allocate(  # type: ignore[union-attr]
+            request, blocks, num_external_tokens, self._connectors
+        )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         meta = super().build_connector_meta(scheduler_output)
         self._side.observe_scheduler_output(scheduler_output)  # type: ignore[union-attr]
         return meta
-
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Drop duplicate and late receive notices (if not yet), then forward.
-
-        vLLM's scheduler calls this *before* it reads ``finished_recving``
-        itself, so the filtered set is also what the scheduler acts on.
-        """
-        side: GuardSchedulerSide = self._side  # type: ignore[assignment]
-        side.filter_recv_notices(connector_output)
-        side.end_output()
-        super().update_connector_output(connector_output)
 
     # The request whose finish request_finished recorded last: MultiConnector's
     # all-groups finish goes through request_finished when a child lacks HMA.

@@ -16,7 +16,7 @@ hook that raised               what the request gets
                                 started: reported as a *failed load* on the
                                 next step, so ``kv_load_failure_policy``
                                 applies (``recompute`` or ``fail``) -- see
-                                ``WedgeGuardConnector.on_load_not_started``
+                                ``ReceiveNotices.load_not_started``
 ``request_finished``            no delayed free, no transfer params: its
                                 blocks are freed as for any finished request
 =============================  ==============================================
@@ -114,14 +114,16 @@ class ContainedChild:
         # the lookup falls back to __getattr__, which raises it again.
         return self._child.supports_divergent_local_hybrid_hits
 
-    def _contain(self, hook: str, request: Request, tokens: int = 0) -> None:
+    def _contain(self, hook: str, request: Request, tokens: int = 0) -> ChildFault:
         logger.exception(
             "KV connector %s raised in %s for request %s; contained by the wedge guard",
             self._name,
             hook,
             request.request_id,
         )
-        self._on_fault(ChildFault(self._name, hook, request.request_id, tokens))
+        fault = ChildFault(self._name, hook, request.request_id, tokens)
+        self._on_fault(fault)
+        return fault
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -137,11 +139,16 @@ class ContainedChild:
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
+    ) -> ChildFault | None:
+        """The child's hook; returns the fault it contained (None if the
+        child did not raise), so the guard's allocation step
+        (``LoadOwnership.allocate``) handles a load that never started in the
+        same call. vLLM's own callers ignore the value."""
         try:
             self._child.update_state_after_alloc(request, blocks, num_external_tokens)
         except Exception:
-            self._contain(ALLOC, request, num_external_tokens)
+            return self._contain(ALLOC, request, num_external_tokens)
+        return None
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -166,3 +173,6 @@ class ContainedChild:
             self._contain(FINISHED, request)
             return False, None
         return result
+
+
+__all__ = ["ALLOC", "FINISHED", "LOOKUP", "ChildFault", "ContainedChild"]

@@ -6,7 +6,9 @@ victim. Life cycle of a request, as the ledger sees it::
 
     1. arrived     on_arrival          (connector.on_new_request)
     2. looked up   on_lookup           (get_num_new_matched_tokens: the owning
-                                        child and whether the load is async)
+                                        child -- the guard's one record of it
+                                        --, whether the load is async, and
+                                        where it starts)
     3. allocated   on_alloc            (update_state_after_alloc)
                    -> recv IN_FLIGHT if an async load started
     4. received    accept_recv_complete (update_from_output, before vLLM
@@ -87,6 +89,9 @@ class LedgerEntry:
     executed: bool = False  # ever sent to the worker as a new request
     finished: bool = False  # finished while a receive was in flight
     pending_async: bool = False  # the last lookup offered an async load
+    # tokens computed locally when the load was looked up: the load fills the
+    # blocks from there (a load that never starts fails from there)
+    load_start: int = 0
     # child -> loads of this request from that child that failed (made on
     # the first failure: most requests never have one)
     failed_loads: dict[str, int] | None = None
@@ -187,7 +192,12 @@ class BlockLedger:
         self._arrivals += 1
 
     def on_lookup(
-        self, req_id: ReqId, owner: str | None, num_tokens: int, is_async: bool
+        self,
+        req_id: ReqId,
+        owner: str | None,
+        num_tokens: int,
+        is_async: bool,
+        num_computed_tokens: int = 0,
     ) -> None:
         entry = self._entries.get(req_id)
         if entry is None or entry.finished:  # per request: no _require frame
@@ -198,6 +208,7 @@ class BlockLedger:
             )
         entry.owner = owner if num_tokens > 0 else None
         entry.pending_async = bool(num_tokens > 0 and is_async)
+        entry.load_start = num_computed_tokens
 
     def on_alloc(
         self, req_id: ReqId, num_blocks: int, num_external_tokens: int
@@ -449,3 +460,18 @@ class BlockLedger:
         self._gone[req_id] = None
         if len(self._gone) > 65536:
             self._gone.pop(next(iter(self._gone)))
+
+
+__all__ = [
+    "BlockLedger",
+    "Disagreement",
+    "DroppedNotices",
+    "HolderView",
+    "LedgerEntry",
+    "LedgerError",
+    "RecvState",
+    "ReqId",
+    "Victim",
+    "VictimReason",
+    "WaitStatus",
+]

@@ -83,3 +83,12 @@ class ChildRouter:
                 "of a configured child, or add that child to 'connectors'."
             )
         return None
+
+
+__all__ = [
+    "PD_CLAIM_KEYS",
+    "ChildRouter",
+    "ClaimsTransferParams",
+    "UnroutableRequest",
+    "claim_keys_of",
+]

@@ -136,3 +136,8 @@ class GuardStats:
 _COUNTER_VALUES = operator.attrgetter(*GuardStats.COUNTERS)
 _GAUGE_VALUES = operator.attrgetter(*GuardStats.GAUGES)
 _LABELED_COUNTERS = operator.attrgetter(*GuardStats.LABELED)
+
+
+__all__ = [
+    "GuardStats",
+]

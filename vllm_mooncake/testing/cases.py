@@ -521,7 +521,7 @@ class CaseRunner:
                     )
                     self._reactive.append((step + 1 + fault.delay, who))
         scheduler = self.driver.scheduler
-        idle = not scheduler.running and bool(scheduler._holder_views())
+        idle = not scheduler.running and bool(scheduler.guard_holders.views())
         if not idle:
             return
         for fault in self.case.faults:
@@ -536,7 +536,7 @@ class CaseRunner:
             if candidates:
                 self._abort(candidates[0], mid_wedge=True)
             return
-        views = scheduler._holder_views()
+        views = scheduler.guard_holders.views()
         if views:
             self._abort(views[0].req_id, mid_wedge=True)
 

@@ -77,19 +77,23 @@ What the valve does, and when (the policy, not only safety):
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vllm_mooncake.compat.releases import SchedulerAccess, installed_layout
 from vllm_mooncake.guard.ledger import RecvState, WaitStatus
+from vllm_mooncake.guard.observer import GuardObserver
 from vllm_mooncake.testing.leaks import scheduler_leaks
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from collections.abc import Set as AbstractSet
+
     from vllm.v1.core.sched.output import SchedulerOutput
 
-    from vllm_mooncake.guard.ledger import Victim
+    from vllm_mooncake.guard.ledger import HolderView, Victim
     from vllm_mooncake.testing.driver import SchedulerDriver, StepResult
     from vllm_mooncake.testing.scripted_connector import ScriptedTransferWorker
 
@@ -408,7 +412,7 @@ def lateral_candidates(scheduler: Any) -> list[str]:
     ledger = scheduler.wedge_guard.ledger
     return [
         v.req_id
-        for v in scheduler._holder_views()
+        for v in scheduler.guard_holders.views()
         if ledger.candidate_reason(v, target="") is not None
     ]
 
@@ -451,19 +455,21 @@ def _prefix_problems(
     ]
 
 
+def _access(scheduler: Any) -> SchedulerAccess:
+    """vLLM's waiting state as the installed release lays it out
+    (``compat/releases.py``), read the way the guard reads it."""
+    return SchedulerAccess(scheduler, installed_layout())
+
+
 def _in_reservation(scheduler: Any, request: Any) -> bool:
     """``request`` is in vLLM's async-load reservation set (0.23+)."""
-    access = scheduler._access
-    if hasattr(access, "in_reservation"):
-        return bool(access.in_reservation(request))
-    return request in getattr(scheduler, "_inflight_prefills", ())
+    return _access(scheduler).in_reservation(request)
 
 
 def _full_sequence_gate(scheduler: Any) -> bool:
     """0.19-0.20: the valve acts on ``can_fit_full_sequence``, not on a failed
-    ``allocate_slots`` (see the guarded scheduler)."""
-    release = getattr(scheduler._access, "release", None)
-    return bool(getattr(release, "full_sequence_gate", False))
+    ``allocate_slots`` (see ``guard/valve.py``)."""
+    return installed_layout().full_sequence_gate
 
 
 # ---- the checker ------------------------------------------------------------------
@@ -484,11 +490,14 @@ class CheckerStats:
     blocked_with_candidate: int = 0  # admissions failed with a victim left
 
 
-class InvariantChecker:
+class InvariantChecker(GuardObserver):
     """Checks every invariant around each step of a guarded driver.
 
-    Install it before the first step; it wraps the guard's lateral
-    preemption (to look at each victim before it goes) and the driver's
+    Install it before the first step; it observes the guarded scheduler
+    through its public seam (``guard/observer.py``: each lateral victim
+    before and after it goes, each admission the valve answered, the
+    holders after each call, the receive notices the filter passed), probes
+    vLLM's own KVCacheManager and child lookups, and wraps the driver's
     ``on_scheduled`` callback (to see what is sent to the worker before the
     fake worker does). Call :meth:`after_step` with each step's result and
     :meth:`at_end` once the run is over.
@@ -532,47 +541,72 @@ class InvariantChecker:
         self._alarm_armed = True
         self._alarms_expected = 0
         self._alarms_at_start = side.stats.wedges_detected
+        self._watch_laterals = watch_laterals
+        self._victim_blocks: list[Any] = []  # the victim's, before it goes
+        self._holders: Sequence[HolderView] = ()  # after the last schedule()
         self._probe_allocations()
         self._watch_routing()
-        if watch_laterals:
-            self._watch_lateral_preemptions()
-        self._watch_admissions()
         self._watch_worker_input()
-        self._watch_notices()
+        self._watch_aborts()
+        self.scheduler.add_guard_observer(self)
 
-    # ---- hooks ------------------------------------------------------------------
-    def _watch_lateral_preemptions(self) -> None:
+    # ---- the guard's observer seam ---------------------------------------------------
+    def before_lateral(
+        self, victim: Victim, target: Any, holders: Sequence[HolderView]
+    ) -> None:
+        if not self._watch_laterals:
+            return
+        in_flight, bad = victim_problems(
+            self.scheduler, self.driver.worker, victim, target
+        )
+        self._raise_if(IN_FLIGHT, in_flight)
+        self._raise_if(VICTIM, bad)
+        self._raise_if(LATERAL, self._lateral_allowed(victim, target, holders))
+        self._last_admission = None
+        self._victim_blocks = _blocks_of(self.scheduler, victim.req_id)
+
+    def after_lateral(self, victim: Victim, target: Any) -> None:
+        if not self._watch_laterals:
+            return
+        self._raise_if(LATERAL, self._lateral_undone(victim))
+        self._victim_cache[victim.req_id] = _cached_prefix(self._victim_blocks)
+        self.stats.laterals.append(
+            LateralRecord(
+                self.driver.num_steps,
+                victim.req_id,
+                target.request_id,
+                victim.reason.value,
+            )
+        )
+
+    def admission(self, request: Any, blocks: Any) -> None:
+        """STALL: note an admission that failed while the ledger offered a
+        victim (the valve's answer, after it is done)."""
+        if blocks is not None:
+            return
         scheduler = self.scheduler
-        preempt: Callable[[Victim, Any], None] = scheduler._preempt_laterally
+        views = scheduler.guard_holders.views()
+        if scheduler.wedge_guard.ledger.pick_victim(views, request.request_id):
+            self._blocked_with_candidate = True
+            self.stats.blocked_with_candidate += 1
 
-        def watched(victim: Victim, target: Any) -> None:
-            in_flight, bad = victim_problems(
-                scheduler, self.driver.worker, victim, target
-            )
-            self._raise_if(IN_FLIGHT, in_flight)
-            self._raise_if(VICTIM, bad)
-            self._raise_if(LATERAL, self._lateral_allowed(victim, target))
-            self._last_admission = None
-            blocks = _blocks_of(scheduler, victim.req_id)
-            preempt(victim, target)
-            self._raise_if(LATERAL, self._lateral_undone(victim))
-            self._victim_cache[victim.req_id] = _cached_prefix(blocks)
-            self.stats.laterals.append(
-                LateralRecord(
-                    self.driver.num_steps,
-                    victim.req_id,
-                    target.request_id,
-                    victim.reason.value,
-                )
-            )
+    def scheduled(self, output: Any, holders: Sequence[HolderView]) -> None:
+        self._holders = holders
 
-        scheduler._preempt_laterally = watched
+    def notices_filtered(
+        self, received: AbstractSet[str], passed: AbstractSet[str]
+    ) -> None:
+        """NOTICES: what vLLM waited on went through the filter."""
+        awaited = awaited_notices(self.scheduler, received, self.aborted_mid_recv)
+        self._raise_if(NOTICES, notice_problems(awaited, passed))
 
     def _laterals_this_call(self) -> int:
         step = self.driver.num_steps
         return sum(1 for r in reversed(self.stats.laterals) if r.step == step)
 
-    def _lateral_allowed(self, victim: Victim, target: Any) -> list[str]:
+    def _lateral_allowed(
+        self, victim: Victim, target: Any, holders: Sequence[HolderView]
+    ) -> list[str]:
         """LATERAL, before the preemption: may the valve act here at all?"""
         scheduler = self.scheduler
         config = scheduler.wedge_guard.config
@@ -600,9 +634,7 @@ class InvariantChecker:
                 f"{who}: {done + 1} lateral preemptions in one schedule() call, "
                 f"max_attempts={config.max_attempts}"
             )
-        picked = scheduler.wedge_guard.ledger.pick_victim(
-            scheduler._holder_views(), target.request_id
-        )
+        picked = scheduler.wedge_guard.ledger.pick_victim(holders, target.request_id)
         if picked is None or picked.req_id != victim.req_id:
             problems.append(
                 f"{who}: the ledger's rule offers "
@@ -652,9 +684,9 @@ class InvariantChecker:
         """See every call of vLLM's own ``allocate_slots``, under the valve.
 
         The manager's class is swapped for a subclass whose
-        ``allocate_slots`` reports to the checker before and after vLLM's,
-        and the guard's valve is installed again over it: the valve's
-        "stock" allocation is then the probed one.
+        ``allocate_slots`` reports to the checker before and after vLLM's:
+        the valve calls the method of the manager's class when it allocates,
+        so its allocations are the probed ones too.
         """
         scheduler = self.scheduler
         manager = scheduler.kv_cache_manager
@@ -670,11 +702,6 @@ class InvariantChecker:
 
         Probed.__name__ = Probed.__qualname__ = base.__name__
         manager.__class__ = Probed
-        # Not through manager.__dict__: reading it slows every later
-        # attribute read on the manager (see the guarded scheduler).
-        with contextlib.suppress(AttributeError):
-            del manager.allocate_slots
-        scheduler._install_admission_valve()
 
     def _before_allocation(
         self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -717,7 +744,7 @@ class InvariantChecker:
         base = 0
         if scheduler.wedge_guard.config.policy.reserves:
             base = int(Scheduler._inflight_prefill_reserved_blocks(scheduler))
-        return base + int(scheduler._access.reservation_extras())
+        return base + int(_access(scheduler).reservation_extras())
 
     def _watch_routing(self) -> None:
         """ROUTING: each child is asked only for requests it may load."""
@@ -747,40 +774,6 @@ class InvariantChecker:
 
             child.get_num_new_matched_tokens = asked
 
-    def _watch_admissions(self) -> None:
-        """Note an admission that failed while the ledger offered a victim.
-
-        Wraps the ``allocate_slots`` the scheduler's manager has for each
-        ``schedule()`` call -- the guard's valve when the guard armed it,
-        vLLM's own otherwise: a ``None`` for a WAITING / PREEMPTED request
-        after the valve is done.
-        """
-        from vllm.v1.request import RequestStatus
-
-        scheduler = self.scheduler
-        manager = scheduler.kv_cache_manager
-        arm_valve = scheduler._arm_valve
-        admitting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-
-        def watched(allocate: Any) -> Any:
-            def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
-                blocks = allocate(request, *args, **kwargs)
-                if blocks is None and request.status in admitting:
-                    ledger = scheduler.wedge_guard.ledger
-                    views = scheduler._holder_views()
-                    if ledger.pick_victim(views, request.request_id) is not None:
-                        self._blocked_with_candidate = True
-                        self.stats.blocked_with_candidate += 1
-                return blocks
-
-            return allocate_slots
-
-        def arm_and_watch() -> None:
-            arm_valve()
-            manager.allocate_slots = watched(manager.allocate_slots)
-
-        scheduler._arm_valve = arm_and_watch
-
     def _watch_worker_input(self) -> None:
         previous = self.driver.on_scheduled
 
@@ -802,14 +795,12 @@ class InvariantChecker:
 
         self.driver.on_scheduled = on_scheduled
 
-    def _watch_notices(self) -> None:
-        """Wrap the aborts and the guard's notice filter (``notices``)."""
+    def _watch_aborts(self) -> None:
+        """NOTICES: requests aborted while vLLM waited on their receive."""
         from vllm.v1.request import RequestStatus
 
         scheduler = self.scheduler
         finish = scheduler.finish_requests
-        side = scheduler.wedge_guard
-        filter_notices = side.filter_recv_notices
 
         def finish_requests(request_ids: Any, status: Any) -> Any:
             ids = [request_ids] if isinstance(request_ids, str) else request_ids
@@ -824,15 +815,7 @@ class InvariantChecker:
                     self.aborted_mid_recv.add(req_id)
             return finish(ids, status)
 
-        def filter_recv_notices(output: Any, *args: Any, **kwargs: Any) -> None:
-            notices = set(output.finished_recving or ())
-            awaited = awaited_notices(scheduler, notices, self.aborted_mid_recv)
-            filter_notices(output, *args, **kwargs)
-            passed = output.finished_recving or ()
-            self._raise_if(NOTICES, notice_problems(awaited, passed))
-
         scheduler.finish_requests = finish_requests
-        side.filter_recv_notices = filter_recv_notices
 
     def _check_budget(self) -> None:
         """LATERAL: ``attempts_exhausted`` moves only once the budget is spent."""
@@ -855,7 +838,7 @@ class InvariantChecker:
         """ALARM: once per stall of ``stall_alarm_steps`` steps, re-armed after."""
         scheduler = self.scheduler
         side = scheduler.wedge_guard
-        views = scheduler._holder_views()
+        views = self._holders
         stalled = (
             so.total_num_scheduled_tokens == 0
             and not scheduler.running

@@ -73,7 +73,7 @@ def _scale(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-mooncake-sim",
-        description="PD simulator over vLLM's real scheduler (see README, Simulator).",
+        description="PD simulator over vLLM's real scheduler (see docs/simulator.md).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vllm_mooncake.guard.observer import GuardObserver
 from vllm_mooncake.testing.configs import guarded
 from vllm_mooncake.testing.driver import (
     EngineShape,
@@ -38,7 +39,9 @@ from vllm_mooncake.tools.sim.stalls import StallTracker
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
 
+    from vllm_mooncake.guard.ledger import Victim
     from vllm_mooncake.guard.stats import GuardStats
 
 ReqId = str
@@ -75,6 +78,17 @@ def engine_shape(spec: EngineSpec) -> EngineShape:
     )
 
 
+class _Laterals(GuardObserver):
+    """The lateral preemptions of the last ``schedule()`` call, from the
+    guard's observer seam (taken by :meth:`Rank._price`)."""
+
+    def __init__(self) -> None:
+        self.made: list[tuple[Victim, str]] = []
+
+    def after_lateral(self, victim: Victim, target: Request) -> None:
+        self.made.append((victim, target.request_id))
+
+
 def build_driver(spec: EngineSpec, guard: GuardSpec) -> SchedulerDriver:
     """A driver whose scheduler is the guarded one, as vLLM would pick it."""
     kv_config = guarded(
@@ -105,6 +119,8 @@ class Rank:
         self.cost = cost
         self.driver = build_driver(spec, guard)
         self.driver.on_scheduled = self._price
+        self._laterals = _Laterals()
+        self.scheduler.add_guard_observer(self._laterals)
         self.clock = 0.0  # when the next step starts
         self.last_end = 0.0  # when the last step ended
         self.stalls = StallTracker(wedge_steps)
@@ -232,7 +248,8 @@ class Rank:
         self._window = (self.clock, self.clock + cost)
         self.driver.worker.set_window(*self._window)
         self._unfinished_at_schedule = self.num_unfinished
-        for victim, target in self.scheduler._lateral_this_call:
+        made, self._laterals.made = self._laterals.made, []
+        for victim, target in made:
             self.laterals.append(
                 {
                     "rank": self.name,

@@ -1,7 +1,7 @@
 """The scenario file: schema, defaults and validation (no vLLM import).
 
-A scenario is one YAML (or JSON) mapping; the README's "Simulator" section
-documents every field. Sections:
+A scenario is one YAML (or JSON) mapping; ``docs/simulator.md`` documents
+every field. Sections:
 
 * ``mode``      -- ``pd`` (prefill ranks hand requests to decode ranks) or
   ``single`` (one rank, for wedge reproductions).
