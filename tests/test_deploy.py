@@ -15,12 +15,14 @@ import pytest
 
 from vllm_mooncake.tools.check_config import check_kv_transfer_config
 from vllm_mooncake.tools.manifests import (
+    READY_TOOL,
     api_key_problems,
     check_docs,
     config_map_problems,
     guard_config_problems,
     network_policy_problems,
     render,
+    rollout_problems,
     router_problems,
     schema_problems,
     service_problems,
@@ -108,8 +110,10 @@ def test_ranks_get_their_pd_environment(
         assert "UCX_TLS" in env and "MOONCAKE_CONFIG_PATH" in env
         assert "--kv-transfer-config" in container["args"][0]
         assert container["image"].startswith("ghcr.io/vllm-mooncake/vllm-mooncake:")
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        for probe in ("startupProbe", "livenessProbe"):
             assert container[probe]["httpGet"]["path"] == "/health"
+        # readiness: the guard's stuck gauge too (below)
+        assert READY_TOOL in container["readinessProbe"]["exec"]["command"]
 
 
 def test_image_installs_the_plugin() -> None:
@@ -385,3 +389,253 @@ def test_multinode_group_rule_stays_inside_the_group() -> None:
     problems = network_policy_problems(docs)
     _one(problems, "LeaderWorkerSet/vllm-decode.leaderTemplate", "every source")
     _one(problems, "LeaderWorkerSet/vllm-decode.workerTemplate", "every source")
+
+
+# ---- rollouts: readiness from the guard, drain, strategies, budgets ---------------
+def _servers(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """(where, container) of every container running vLLM's server."""
+    return [
+        (where, c)
+        for d in docs
+        for where, tmpl in _templates(d)
+        for c in tmpl["spec"]["containers"]
+        if "vllm serve" in " ".join(c.get("command", []) + c.get("args", []))
+    ]
+
+
+def _recv_deadline_s(docs: list[dict[str, Any]], key: str) -> float:
+    from vllm_mooncake.guard.config import GuardConfig
+
+    cm = _doc(docs, "ConfigMap", "vllm-mooncake-config")
+    extra = json.loads(cm["data"][key])["kv_connector_extra_config"]
+    return float(GuardConfig.from_extra_config(extra).recv_deadline_s)
+
+
+def test_rollouts_are_clean(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    _, docs = rendered
+    assert rollout_problems(docs) == []
+
+
+def test_every_server_is_unready_within_twice_the_deadline(
+    rendered: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """The probe runs the ready tool on the rank's own port; a stuck rank
+    (the gauge is 1 after recv_deadline_s) fails it failureThreshold times,
+    periodSeconds apart, the last taking up to timeoutSeconds."""
+    name, docs = rendered
+    servers = _servers(docs)
+    assert len(servers) == 2  # prefill and decode templates
+    for where, c in servers:
+        probe = c["readinessProbe"]
+        command = probe["exec"]["command"]
+        assert command[:3] == ["python", "-m", READY_TOOL], where
+        http = next(p["containerPort"] for p in c["ports"] if p["name"] == "http")
+        assert command[command.index("--url") + 1] == f"http://127.0.0.1:{http}"
+        key = "prefill" if "prefill" in c["args"][0] else "decode"
+        deadline = _recv_deadline_s(docs, f"{key}.kv_transfer_config.json")
+        worst = (
+            deadline
+            + probe["failureThreshold"] * probe["periodSeconds"]
+            + probe["timeoutSeconds"]
+        )
+        assert worst <= 2 * deadline, (name, where, worst)
+        # the tool's two requests fit in the probe's timeout
+        assert (
+            2 * float(command[command.index("--timeout") + 1]) < probe["timeoutSeconds"]
+        )
+
+
+def test_every_server_drains_before_sigterm_within_its_grace(
+    rendered: tuple[str, list[dict[str, Any]]],
+) -> None:
+    _, docs = rendered
+    for d in docs:
+        for where, tmpl in _templates(d):
+            for c in tmpl["spec"]["containers"]:
+                if "vllm serve" not in " ".join(c.get("args", [])):
+                    continue
+                hook = c["lifecycle"]["preStop"]["exec"]["command"]
+                assert hook[:3] == ["python", "-m", READY_TOOL], where
+                drain = float(hook[hook.index("--drain") + 1])
+                grace = tmpl["spec"]["terminationGracePeriodSeconds"]
+                assert grace >= drain + 30, where
+
+
+def test_ranks_roll_one_at_a_time_and_the_master_new_before_old(
+    rendered: tuple[str, list[dict[str, Any]]],
+) -> None:
+    _, docs = rendered
+    for d in docs:
+        if d["kind"] == "StatefulSet":
+            strategy = d["spec"]["updateStrategy"]
+            assert strategy["type"] == "RollingUpdate"
+            assert strategy["rollingUpdate"]["maxUnavailable"] == 1
+        elif d["kind"] == "LeaderWorkerSet":
+            strategy = d["spec"]["rolloutStrategy"]
+            assert strategy["type"] == "RollingUpdate"
+            assert strategy["rollingUpdateConfiguration"]["maxUnavailable"] == 1
+    master = _doc(docs, "Deployment", "mooncake-master")["spec"]["strategy"]
+    assert master == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+
+
+def test_disruption_budgets(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    name, docs = rendered
+    budgets = {
+        d["metadata"]["name"]: d["spec"]
+        for d in docs
+        if d["kind"] == "PodDisruptionBudget"
+    }
+    decode = "vllm-decode-group" if name == "2p2d-multinode-tp" else "vllm-decode"
+    assert set(budgets) == {"vllm-prefill", decode, "mooncake-master"}
+    assert budgets["mooncake-master"]["maxUnavailable"] == 0
+    assert budgets["vllm-prefill"]["maxUnavailable"] == 1
+    assert budgets[decode]["maxUnavailable"] == 1
+
+
+def _server_container(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    container: dict[str, Any] = _doc(docs, "StatefulSet", name)["spec"]["template"][
+        "spec"
+    ]["containers"][0]
+    return container
+
+
+@pytest.mark.parametrize("rank", ["vllm-prefill", "vllm-decode"])
+def test_readiness_without_the_guard_is_caught(
+    base_1p2d: list[dict[str, Any]], rank: str
+) -> None:
+    docs = copy.deepcopy(base_1p2d)
+    del _server_container(docs, rank)["readinessProbe"]
+    _one(rollout_problems(docs), f"StatefulSet/{rank}", "readinessProbe does not run")
+    docs = copy.deepcopy(base_1p2d)
+    _server_container(docs, rank)["readinessProbe"] = {
+        "httpGet": {"path": "/health", "port": "http"},
+        "periodSeconds": 5,
+    }
+    _one(rollout_problems(docs), f"StatefulSet/{rank}", "/health stays 200")
+
+
+def test_readiness_on_another_port_is_caught(base_1p2d: list[dict[str, Any]]) -> None:
+    docs = copy.deepcopy(base_1p2d)
+    command = _server_container(docs, "vllm-decode")["readinessProbe"]["exec"][
+        "command"
+    ]
+    command[command.index("--url") + 1] = "http://127.0.0.1:8080"
+    _one(rollout_problems(docs), "vllm-decode", "not http://127.0.0.1:8000")
+
+
+def test_readiness_too_slow_for_the_deadline_is_caught(
+    base_1p2d: list[dict[str, Any]],
+) -> None:
+    docs = copy.deepcopy(base_1p2d)
+    probe = _server_container(docs, "vllm-prefill")["readinessProbe"]
+    probe["periodSeconds"] = 60  # 3 x 60 + 5 > 120
+    _one(rollout_problems(docs), "vllm-prefill", "beyond 2 x recv_deadline_s = 240 s")
+    # the bound follows the deadline in the ConfigMap the rank reads
+    docs = copy.deepcopy(base_1p2d)
+    cm = _doc(docs, "ConfigMap", "vllm-mooncake-config")
+    cfg = json.loads(cm["data"]["decode.kv_transfer_config.json"])
+    cfg["kv_connector_extra_config"]["wedge_guard"]["recv_deadline_s"] = 20
+    cm["data"]["decode.kv_transfer_config.json"] = json.dumps(cfg)
+    problems = rollout_problems(docs)
+    _one(problems, "vllm-decode", "20 + 35 s", "2 x recv_deadline_s = 40 s")
+    assert not [p for p in problems if "vllm-prefill" in p]
+
+
+@pytest.mark.parametrize("probe", ["startupProbe", "livenessProbe"])
+def test_losing_the_startup_or_liveness_probe_is_caught(
+    base_1p2d: list[dict[str, Any]], probe: str
+) -> None:
+    docs = copy.deepcopy(base_1p2d)
+    del _server_container(docs, "vllm-decode")[probe]
+    _one(rollout_problems(docs), "vllm-decode", f"no {probe} on /health")
+
+
+def test_missing_drain_or_short_grace_is_caught(
+    base_1p2d: list[dict[str, Any]],
+) -> None:
+    docs = copy.deepcopy(base_1p2d)
+    del _server_container(docs, "vllm-decode")["lifecycle"]
+    _one(rollout_problems(docs), "vllm-decode", "no preStop hook")
+    docs = copy.deepcopy(base_1p2d)
+    spec = _doc(docs, "StatefulSet", "vllm-prefill")["spec"]["template"]["spec"]
+    spec["terminationGracePeriodSeconds"] = 60  # drain 120 s
+    _one(rollout_problems(docs), "vllm-prefill", "terminationGracePeriodSeconds 60")
+    del spec["terminationGracePeriodSeconds"]  # Kubernetes' 30 s
+    _one(rollout_problems(docs), "vllm-prefill", "terminationGracePeriodSeconds 30")
+
+
+def test_rank_strategy_that_takes_more_than_one_down_is_caught(
+    base_1p2d: list[dict[str, Any]],
+) -> None:
+    docs = copy.deepcopy(base_1p2d)
+    decode = _doc(docs, "StatefulSet", "vllm-decode")["spec"]
+    decode["updateStrategy"]["rollingUpdate"]["maxUnavailable"] = 2
+    _one(rollout_problems(docs), "StatefulSet/vllm-decode", "one at a time")
+    decode["updateStrategy"] = {"type": "OnDelete"}
+    _one(rollout_problems(docs), "StatefulSet/vllm-decode", "OnDelete")
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        {"type": "Recreate"},
+        {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+        },
+        {},
+    ],
+    ids=["recreate", "no-surge", "default"],
+)
+def test_master_strategy_that_stops_it_first_is_caught(
+    base_1p2d: list[dict[str, Any]], strategy: dict[str, Any]
+) -> None:
+    docs = copy.deepcopy(base_1p2d)
+    spec = _doc(docs, "Deployment", "mooncake-master")["spec"]
+    if strategy:
+        spec["strategy"] = strategy
+    else:
+        del spec["strategy"]
+    _one(rollout_problems(docs), "Deployment/mooncake-master", "new-before-old")
+
+
+def test_budget_problems_are_caught(base_1p2d: list[dict[str, Any]]) -> None:
+    docs = copy.deepcopy(base_1p2d)
+    docs.remove(_doc(docs, "PodDisruptionBudget", "vllm-prefill"))
+    _one(rollout_problems(docs), "StatefulSet/vllm-prefill", "0 PodDisruptionBudgets")
+    docs = copy.deepcopy(base_1p2d)
+    _doc(docs, "PodDisruptionBudget", "mooncake-master")["spec"]["maxUnavailable"] = 1
+    _one(rollout_problems(docs), "Deployment/mooncake-master", "allow no eviction")
+    docs = copy.deepcopy(base_1p2d)
+    _doc(docs, "PodDisruptionBudget", "vllm-decode")["spec"]["maxUnavailable"] = 2
+    _one(rollout_problems(docs), "StatefulSet/vllm-decode", "one rank go at a time")
+    docs = copy.deepcopy(base_1p2d)
+    extra = copy.deepcopy(_doc(docs, "PodDisruptionBudget", "vllm-decode"))
+    extra["metadata"]["name"] = "vllm-all"
+    del extra["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]
+    docs.append(extra)
+    problems = rollout_problems(docs)
+    _one(problems, "StatefulSet/vllm-decode", "2 PodDisruptionBudgets")
+    _one(problems, "StatefulSet/vllm-prefill", "2 PodDisruptionBudgets")
+
+
+def test_multinode_group_keeps_readiness_drain_and_its_budget() -> None:
+    docs = render(K8S / "overlays" / "2p2d-multinode-tp")
+    lws = _doc(docs, "LeaderWorkerSet", "vllm-decode")
+    leader = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]
+    del leader["containers"][0]["readinessProbe"]
+    del leader["containers"][0]["lifecycle"]
+    problems = rollout_problems(docs)
+    _one(problems, "LeaderWorkerSet/vllm-decode.leaderTemplate", "readinessProbe")
+    _one(problems, "LeaderWorkerSet/vllm-decode.leaderTemplate", "no preStop hook")
+    docs = render(K8S / "overlays" / "2p2d-multinode-tp")
+    docs.remove(_doc(docs, "PodDisruptionBudget", "vllm-decode-group"))
+    problems = rollout_problems(docs)
+    _one(problems, "LeaderWorkerSet/vllm-decode.leaderTemplate", "0 PodDisruption")
+    _one(problems, "LeaderWorkerSet/vllm-decode.workerTemplate", "0 PodDisruption")
+    lws = _doc(docs, "LeaderWorkerSet", "vllm-decode")
+    lws["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"]["maxUnavailable"] = 2
+    _one(rollout_problems(docs), "LeaderWorkerSet/vllm-decode", "one at a time")

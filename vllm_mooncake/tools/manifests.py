@@ -10,8 +10,10 @@ and decode pods, the Mooncake store config points at the master Service, and
 every kv_transfer_config in a ConfigMap names the guard connector and passes
 its validation; and that the deployment arrives closed: NetworkPolicies
 (:func:`network_policy_problems`) and the API key from a Secret
-(:func:`api_key_problems`). Exit code 0 when clean, 1 with one line per
-problem.
+(:func:`api_key_problems`); and that rollouts lose nothing: readiness from
+the guard, a drain before every stop, one rank at a time, the master never
+down, disruption budgets (:func:`rollout_problems`). Exit code 0 when
+clean, 1 with one line per problem.
 """
 
 from __future__ import annotations
@@ -545,6 +547,232 @@ def api_key_problems(docs: list[Doc]) -> list[str]:
     return problems
 
 
+# ---- rollouts: readiness, drain, strategies, disruption budgets -----------------
+READY_TOOL = "vllm_mooncake.tools.ready"
+# Seconds a drained vLLM server needs after SIGTERM to shut down, on top of
+# the preStop drain, in each rank's terminationGracePeriodSeconds.
+SHUTDOWN_MARGIN_S = 30
+# Kubernetes' defaults for a probe's fields and a pod's grace period.
+PROBE_DEFAULTS = {"periodSeconds": 10, "timeoutSeconds": 1, "failureThreshold": 3}
+DEFAULT_GRACE_S = 30
+
+
+def _serves_vllm(container: Doc) -> bool:
+    """A container running vLLM's server (not a Ray worker of its group)."""
+    return "vllm serve" in _container_text(container)
+
+
+def _flag(command: list[str], flag: str) -> str | None:
+    """The value after ``flag`` in an argv list (``--flag value`` or
+    ``--flag=value``)."""
+    for i, arg in enumerate(command):
+        if arg == flag and i + 1 < len(command):
+            return command[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _recv_deadline_s(tmpl: Doc, container: Doc, maps: dict[str, Doc]) -> float | None:
+    """The ``recv_deadline_s`` in force for the kv_transfer_config file the
+    container reads from a ConfigMap mount (the guard's default when the
+    file leaves it out); None when there is no such file or it is invalid
+    (:func:`guard_config_problems` reports that)."""
+    from vllm_mooncake.guard.config import GuardConfig
+
+    volumes = {v["name"]: v for v in tmpl["spec"].get("volumes", [])}
+    text = _container_text(container)
+    for mount in container.get("volumeMounts", []):
+        ref = volumes.get(mount["name"], {}).get("configMap", {}).get("name")
+        data = maps.get(ref, {}).get("data", {}) if ref else {}
+        prefix = mount["mountPath"].rstrip("/") + "/"
+        for key in re.findall(re.escape(prefix) + r"([\w.\-]+)", text):
+            if key.endswith("kv_transfer_config.json") and key in data:
+                try:
+                    extra = json.loads(data[key]).get("kv_connector_extra_config")
+                    return float(GuardConfig.from_extra_config(extra).recv_deadline_s)
+                except (ValueError, AttributeError):
+                    return None
+    return None
+
+
+def _probe_bound_s(probe: Doc) -> int:
+    """Seconds from the first failing check to unready, at worst: the wait
+    for the next probe, failureThreshold failures in a row, the last one's
+    timeout (failureThreshold x periodSeconds + timeoutSeconds)."""
+    field = {k: int(probe.get(k, v)) for k, v in PROBE_DEFAULTS.items()}
+    return field["failureThreshold"] * field["periodSeconds"] + field["timeoutSeconds"]
+
+
+def _readiness_problems(
+    where: str, container: Doc, deadline: float | None
+) -> list[str]:
+    """The readinessProbe runs the ready tool on the container's own HTTP
+    port, and fails within 2 x recv_deadline_s of the rank going stuck."""
+    probe = container.get("readinessProbe")
+    command = list((probe or {}).get("exec", {}).get("command", []))
+    if probe is None or READY_TOOL not in command or "--drain" in command:
+        return [
+            f"{where}: readinessProbe does not run `python -m {READY_TOOL}` (vLLM's "
+            "/health stays 200 while the rank is stuck)"
+        ]
+    http = next(
+        (
+            p["containerPort"]
+            for p in container.get("ports", [])
+            if p.get("name") == HTTP_PORT
+        ),
+        None,
+    )
+    url = _flag(command, "--url")
+    if url != f"http://127.0.0.1:{http}":
+        return [f"{where}: readinessProbe asks {url!r}, not http://127.0.0.1:{http}"]
+    if deadline is None:
+        return []
+    bound = _probe_bound_s(probe)
+    if deadline + bound > 2 * deadline:
+        return [
+            f"{where}: readinessProbe turns a stuck rank unready after up to "
+            f"{deadline:g} + {bound} s (recv_deadline_s + failureThreshold x "
+            f"periodSeconds + timeoutSeconds), beyond 2 x recv_deadline_s = "
+            f"{2 * deadline:g} s"
+        ]
+    return []
+
+
+def _lifecycle_problems(where: str, tmpl: Doc, container: Doc) -> list[str]:
+    """The startup and liveness probes stay; a preStop hook drains within
+    the grace period."""
+    problems = [
+        f"{where}: no {probe} on /health"
+        for probe in ("startupProbe", "livenessProbe")
+        if container.get(probe, {}).get("httpGet", {}).get("path") != "/health"
+    ]
+    command = list(
+        container.get("lifecycle", {})
+        .get("preStop", {})
+        .get("exec", {})
+        .get("command", [])
+    )
+    drain = _flag(command, "--drain")
+    if READY_TOOL not in command or drain is None:
+        return problems + [
+            f"{where}: no preStop hook draining the rank (`python -m {READY_TOOL} "
+            "--drain SECONDS`): SIGTERM would cut its requests off"
+        ]
+    grace = int(tmpl["spec"].get("terminationGracePeriodSeconds", DEFAULT_GRACE_S))
+    if grace < float(drain) + SHUTDOWN_MARGIN_S:
+        problems.append(
+            f"{where}: terminationGracePeriodSeconds {grace} < the preStop drain "
+            f"({drain} s) + {SHUTDOWN_MARGIN_S} s for vLLM's shutdown: the kubelet "
+            "would kill the rank mid-drain"
+        )
+    return problems
+
+
+def _rank_strategy_problems(doc: Doc) -> list[str]:
+    """Ranks roll one at a time: the router lists each by name, so there is
+    no surge to roll into (StatefulSets have none; an LWS surge group would
+    get a name the router does not list)."""
+    spec = doc["spec"]
+    if doc["kind"] == "LeaderWorkerSet":
+        strategy = spec.get("rolloutStrategy", {})
+        rolling = strategy.get("rollingUpdateConfiguration", {})
+    else:
+        strategy = spec.get("updateStrategy", {})
+        rolling = strategy.get("rollingUpdate", {})
+    if strategy.get("type") != "RollingUpdate" or rolling.get(
+        "maxUnavailable", 1
+    ) not in (1, "1"):
+        return [
+            f"{_name(doc)}: ranks must roll one at a time (RollingUpdate, "
+            f"maxUnavailable 1), not {strategy or 'an implicit strategy'}"
+        ]
+    return []
+
+
+def _master_strategy_problems(doc: Doc) -> list[str]:
+    """The master is replaced new-before-old: a Deployment rolling with a
+    surge and nothing unavailable (Recreate stops the old one first)."""
+    strategy = doc["spec"].get("strategy", {})
+    rolling = strategy.get("rollingUpdate", {})
+    if (
+        strategy.get("type") != "RollingUpdate"
+        or rolling.get("maxUnavailable") not in (0, "0%")
+        or rolling.get("maxSurge") in (None, 0, "0%")
+    ):
+        return [
+            f"{_name(doc)}: the master must be replaced new-before-old "
+            "(RollingUpdate, maxSurge 1, maxUnavailable 0): "
+            f"{strategy or 'no strategy (25% / 25%)'} can leave the ranks "
+            "without a master"
+        ]
+    return []
+
+
+def _budget_problems(
+    where: str, labels: dict[str, str], budgets: list[Doc], is_master: bool
+) -> list[str]:
+    """Exactly one PodDisruptionBudget: at most one rank down at a time,
+    the master never."""
+    mine = [b for b in budgets if selects(b["spec"].get("selector") or {}, labels)]
+    if len(mine) != 1:
+        names = [b["metadata"]["name"] for b in mine]
+        return [
+            f"{where}: {len(mine)} PodDisruptionBudgets select it {names}; it needs "
+            "exactly one (under two, the eviction API refuses the pod)"
+        ]
+    spec = mine[0]["spec"]
+    allowed = spec.get("maxUnavailable")
+    if is_master and not (allowed in (0, "0%") and "minAvailable" not in spec):
+        return [
+            f"{where}: PodDisruptionBudget/{mine[0]['metadata']['name']} must allow "
+            "no eviction (maxUnavailable 0): a new master starts empty"
+        ]
+    if not is_master and (allowed not in (1, "1") or "minAvailable" in spec):
+        return [
+            f"{where}: PodDisruptionBudget/{mine[0]['metadata']['name']} must let "
+            "one rank go at a time (maxUnavailable 1)"
+        ]
+    return []
+
+
+def rollout_problems(docs: list[Doc]) -> list[str]:
+    """Rollouts lose nothing: every vLLM server's readinessProbe runs the
+    ready tool and turns a stuck rank unready within 2 x recv_deadline_s, its
+    startup and liveness probes stay, a preStop hook drains it within the
+    grace period; ranks roll one at a time, the Mooncake master new before
+    old; each rank pod and the master sit under one PodDisruptionBudget."""
+    maps = _config_maps(docs)
+    budgets = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    problems = []
+    for doc in docs:
+        templates = list(pod_templates(doc))
+        servers = [(w, t, c) for w, t in templates for c in _containers(t)]
+        servers = [(w, t, c) for w, t, c in servers if _serves_vllm(c)]
+        is_master = any(
+            _role_of(c) == "master" for _, t in templates for c in _containers(t)
+        )
+        for where, tmpl, c in servers:
+            deadline = _recv_deadline_s(tmpl, c, maps)
+            problems += _readiness_problems(where, c, deadline)
+            problems += _lifecycle_problems(where, tmpl, c)
+        if servers and doc["kind"] in ("StatefulSet", "LeaderWorkerSet"):
+            problems += _rank_strategy_problems(doc)
+        if is_master and doc["kind"] == "Deployment":
+            problems += _master_strategy_problems(doc)
+        for where, tmpl in templates:
+            if servers or is_master or _serves_ray_group(tmpl):
+                labels = dict(tmpl.get("metadata", {}).get("labels", {}))
+                problems += _budget_problems(where, labels, budgets, is_master)
+    return problems
+
+
+def _serves_ray_group(tmpl: Doc) -> bool:
+    """A worker pod of a multi-node rank (its Ray worker)."""
+    return any("ray start" in _container_text(c) for c in _containers(tmpl))
+
+
 def check_docs(docs: list[Doc]) -> list[str]:
     """Every check, one line per problem."""
     return (
@@ -555,6 +783,7 @@ def check_docs(docs: list[Doc]) -> list[str]:
         + guard_config_problems(docs)
         + network_policy_problems(docs)
         + api_key_problems(docs)
+        + rollout_problems(docs)
     )
 
 
