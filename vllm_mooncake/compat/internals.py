@@ -63,6 +63,8 @@ MULTI = "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector.MultiConne
 KV_MANAGER = "vllm.v1.core.kv_cache_manager.KVCacheManager"
 VLLM_CONFIG = "vllm.config.vllm.VllmConfig"
 FACTORY = "vllm.distributed.kv_transfer.kv_connector.factory.KVConnectorFactory"
+BLOCK_POOL = "vllm.v1.core.block_pool.BlockPool"
+KV_BLOCK = "vllm.v1.core.kv_cache_utils.KVCacheBlock"
 NIXL_WORKER = f"{NIXL_WORKER_MODULE}.{NIXL_WORKER_CLASS}"
 STORE_WORKER = f"{STORE_WORKER_MODULE}.MooncakeStoreWorker"
 STORES = _range(21, 34)  # MooncakeStoreConnector (v1/mooncake/store/)
@@ -226,6 +228,24 @@ INTERNALS: tuple[Internal, ...] = (
         ("request",),
         _range(19, 20),
     ),
+    # -- blocks of a failed receive, kept from reuse (guard/quarantine.py)
+    _attr(KV_MANAGER, "block_pool", "quarantine: the pool whose references we take"),
+    _method(
+        KV_MANAGER,
+        "get_blocks",
+        "quarantine: a failed receive's blocks",
+        ("request_id",),
+    ),
+    _method(BLOCK_POOL, "touch", "quarantine: one more reference", ("blocks",)),
+    _method(
+        BLOCK_POOL,
+        "free_blocks",
+        "quarantine: the reference given back",
+        ("ordered_blocks",),
+    ),
+    _attr(KV_BLOCK, "ref_cnt", "quarantine: what touch/free_blocks count"),
+    _attr(KV_BLOCK, "is_null", "quarantine: the null block is never held"),
+    _attr(KV_BLOCK, "block_hash", "quarantine: cached blocks are not held"),
     # -- MultiConnector (guard/connector.py, plugin.py)
     _attr(MULTI, "_connectors", "the child connectors, for routing"),
     _attr(MULTI, "_requests_to_connector", "which child loads a request"),

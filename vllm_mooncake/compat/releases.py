@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -301,6 +301,29 @@ class SchedulerAccess:
         """0.34: give back ``request``'s parked reservation, as vLLM's
         ``_free_request`` does (pops it, subtracts its blocks)."""
         self._s._unreserve_parked(request)
+
+    # ---- blocks of a failed receive (guard/stranded.py, guard/quarantine.py) ----
+    def request_blocks(self, request: Request) -> tuple[list[Any], list[int]]:
+        """``request``'s blocks the prefix cache does not hold (a transfer may
+        still write them: a receive's blocks are cached once it lands), and
+        the ids of all its blocks in the first KV cache group."""
+        blocks = self._s.kv_cache_manager.get_blocks(request.request_id).blocks
+        uncached = [
+            block
+            for group in blocks
+            for block in group
+            if not block.is_null and block.block_hash is None
+        ]
+        return uncached, [block.block_id for block in blocks[0]] if blocks else []
+
+    def hold_blocks(self, blocks: Sequence[Any]) -> None:
+        """One more reference on each block: vLLM's free leaves them out of
+        the free queue (``BlockPool.touch``)."""
+        self._s.kv_cache_manager.block_pool.touch(blocks)
+
+    def release_blocks(self, blocks: Sequence[Any]) -> None:
+        """Give that reference back: a block no request holds is free again."""
+        self._s.kv_cache_manager.block_pool.free_blocks(blocks)
 
     def note_preempted(self, req_id: str) -> None:
         """Tell the connectors (0.25+ reads this set) of the preemption."""

@@ -9,6 +9,7 @@
          "wedge_guard": {"policy": "reserve+lateral", "max_attempts": 16,
                          "stall_alarm_steps": 2000, "only_when_idle": true,
                          "max_failed_loads": 3, "gauge_interval_s": 0.1,
+                         "recv_deadline_s": 120, "sender_probe_s": 5,
                          "strict": false}}}
 
 Every error names the field and says how to fix it, and is raised at start-up
@@ -91,6 +92,21 @@ class GuardConfig:
     # the step a wedge is made of -- always recounts them, and so does a
     # step whose waiting queues are empty. 0: every step.
     gauge_interval_s: float = 0.1
+    # An async receive (a P->D transfer or a store load) in flight longer than
+    # this is failed through vLLM's kv_load_failure_policy (recompute: the
+    # request is prefilled locally; fail: it ends with an error), and its
+    # blocks stay out of the free pool until its writer is done
+    # (guard/receive_watch.py, guard/quarantine.py). A P->D receive normally
+    # lands in well under a second once its prefill ran; vLLM's own bounds
+    # are Mooncake's 480 s pull timeout and none for NIXL reads. The rank also
+    # reports itself stuck (vllm:kv_guard_stuck) once no token was scheduled
+    # for this long while requests wait.
+    recv_deadline_s: float = 120.0
+    # While a P->D receive is in flight, or its blocks are quarantined, its
+    # sender is probed this often (guard/senders.py); two refusals in a row
+    # mean the sender is dead and its receives are failed at once. 0: never
+    # probe (the deadline alone decides).
+    sender_probe_s: float = 5.0
     # Raise on a ledger inconsistency instead of logging it (tests).
     strict: bool = False
     # policy.lateral and policy.reserves, read on every step (set from policy).
@@ -120,6 +136,8 @@ class GuardConfig:
             "only_when_idle",
             "max_failed_loads",
             "gauge_interval_s",
+            "recv_deadline_s",
+            "sender_probe_s",
             "strict",
         }
         unknown = sorted(set(raw) - known)
@@ -143,6 +161,12 @@ class GuardConfig:
             ),
             gauge_interval_s=_seconds(
                 raw, "gauge_interval_s", cls.gauge_interval_s, lowest=0.0
+            ),
+            recv_deadline_s=_seconds(
+                raw, "recv_deadline_s", cls.recv_deadline_s, lowest=1.0, highest=3600
+            ),
+            sender_probe_s=_seconds(
+                raw, "sender_probe_s", cls.sender_probe_s, lowest=0.0, highest=600
             ),
             strict=_bool(raw, "strict", cls.strict),
         )
@@ -181,7 +205,11 @@ def _int_in(raw: Mapping[str, Any], name: str, default: int, lo: int, hi: int) -
 
 
 def _seconds(
-    raw: Mapping[str, Any], name: str, default: float, lowest: float = 0.01
+    raw: Mapping[str, Any],
+    name: str,
+    default: float,
+    lowest: float = 0.01,
+    highest: float = 86400,
 ) -> float:
     value = raw.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -189,9 +217,10 @@ def _seconds(
             f"{FIELD_PREFIX}.{name}: expected a number of seconds, got {value!r} "
             f"({type(value).__name__}); write e.g. {default}"
         )
-    if not lowest <= value <= 86400:
+    if not lowest <= value <= highest:
         raise GuardConfigError(
-            f"{FIELD_PREFIX}.{name}: {value} is out of range; use {lowest:g}..86400"
+            f"{FIELD_PREFIX}.{name}: {value} is out of range; "
+            f"use {lowest:g}..{highest:g}"
         )
     return float(value)
 

@@ -174,6 +174,7 @@ class WedgeGuardConnector(MultiConnector):  # type: ignore[misc]
         stats = super().get_kv_connector_stats()
         if self._side is None:
             return stats
+        self._side.before_stats_report()
         current = self._side.stats
         fingerprint = current.fingerprint()
         if fingerprint == self._guard_fingerprint:

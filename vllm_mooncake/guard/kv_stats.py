@@ -132,10 +132,15 @@ class GuardKVConnectorStats(KVConnectorStats):  # type: ignore[misc]
             "Child connector errors": sum(stats.child_errors.values()),
             "Ledger disagreements": sum(stats.ledger_disagreements.values()),
             "Load retry cutoffs": sum(stats.load_retry_cutoffs.values()),
+            "Receives failed": sum(stats.receives_failed.values()),
+            "Quarantine releases": sum(stats.quarantine_releases.values()),
             "Ledger errors": stats.ledger_errors,
             "Recv-done holders waiting": stats.recv_done_holders_waiting,
             "Blocks held by non-running": stats.blocks_held_by_non_running,
             "Stalled steps": stats.stalled_steps,
+            "Stranded receives": stats.stranded_receives,
+            "Quarantined blocks": stats.quarantined_blocks,
+            "Stuck": stats.stuck,
         }
 
     def is_empty(self) -> bool:

@@ -89,6 +89,26 @@ GAUGE_METRICS: tuple[tuple[str, str, str], ...] = (
         "(0 when not stalled). The wedge alarm fires when it reaches "
         "stall_alarm_steps or the stall lasts stall_alarm_s seconds.",
     ),
+    (
+        "vllm:kv_guard_stranded_receives",
+        "stranded_receives",
+        "Async KV receives in flight for more than half of recv_deadline_s, "
+        "or whose sender refused a liveness probe, as of the last check.",
+    ),
+    (
+        "vllm:kv_guard_quarantined_blocks",
+        "quarantined_blocks",
+        "KV cache blocks kept out of the free pool because a receive the "
+        "guard failed may still be written into by its sender; released when "
+        "the transfer reports its end or the sender is known dead.",
+    ),
+    (
+        "vllm:kv_guard_stuck",
+        "stuck",
+        "1 while this engine is stuck: no token scheduled for recv_deadline_s "
+        "seconds while requests wait; else 0. A readiness probe "
+        "(python -m vllm_mooncake.tools.ready) reports the rank unready then.",
+    ),
 )
 
 LATERAL_PREEMPTIONS_METRIC = "vllm:kv_guard_lateral_preemptions"
@@ -96,6 +116,10 @@ DROPPED_RECV_NOTICES_METRIC = "vllm:kv_guard_dropped_recv_notices"
 CHILD_ERRORS_METRIC = "vllm:kv_guard_child_errors"
 LEDGER_DISAGREEMENTS_METRIC = "vllm:kv_guard_ledger_disagreements"
 LOAD_RETRY_CUTOFFS_METRIC = "vllm:kv_guard_load_retry_cutoffs"
+RECEIVES_FAILED_METRIC = "vllm:kv_guard_receives_failed"
+QUARANTINE_RELEASES_METRIC = "vllm:kv_guard_quarantine_releases"
+RECEIVE_FAILURE_REASONS = ("deadline", "sender_dead")
+QUARANTINE_RELEASE_REASONS = ("transfer_ended", "sender_dead")
 DISAGREEMENT_KINDS = ("no_entry", "no_recv", "not_awaited")
 
 
@@ -180,12 +204,30 @@ class GuardPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             "child: the connector whose loads failed.",
             labelnames=[*labelnames, "child"],
         )
+        self._receives_failed = self._counter_cls(
+            name=RECEIVES_FAILED_METRIC,
+            documentation="Number of async KV receives the KV wedge guard "
+            "failed through kv_load_failure_policy. reason: deadline (in "
+            "flight longer than recv_deadline_s) or sender_dead (the sending "
+            "prefill refused two liveness probes in a row); child: the KV "
+            "connector that owned the receive.",
+            labelnames=[*labelnames, "reason", "child"],
+        )
+        self._quarantine_releases = self._counter_cls(
+            name=QUARANTINE_RELEASES_METRIC,
+            documentation="Number of failed receives whose quarantined KV "
+            "blocks went back to the free pool. reason: transfer_ended (the "
+            "transfer reported its end) or sender_dead.",
+            labelnames=[*labelnames, "reason"],
+        )
         # The kinds are known: expose them at 0 from the start.
         for labelvalues in per_engine_labelvalues.values():
             for kind in DROPPED_KINDS:
                 self._dropped_recv_notices.labels(*labelvalues, kind)
             for kind in DISAGREEMENT_KINDS:
                 self._ledger_disagreements.labels(*labelvalues, kind)
+            for reason in QUARANTINE_RELEASE_REASONS:
+                self._quarantine_releases.labels(*labelvalues, reason)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         report = GuardKVConnectorStats(data=dict(transfer_stats_data))
@@ -211,6 +253,13 @@ class GuardPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
         for child, n in stats.load_retry_cutoffs.items():
             if n > 0:
                 self._load_retry_cutoffs.labels(*labelvalues, child).inc(n)
+        for key, n in stats.receives_failed.items():
+            reason, _, child = key.partition("|")
+            if n > 0:
+                self._receives_failed.labels(*labelvalues, reason, child).inc(n)
+        for reason, n in stats.quarantine_releases.items():
+            if n > 0:
+                self._quarantine_releases.labels(*labelvalues, reason).inc(n)
         if report.gauges_changed:
             for attr, per_engine in self._gauges.items():
                 per_engine[engine_idx].set(getattr(stats, attr))
@@ -272,6 +321,10 @@ __all__ = [
     "LATERAL_PREEMPTIONS_METRIC",
     "LEDGER_DISAGREEMENTS_METRIC",
     "LOAD_RETRY_CUTOFFS_METRIC",
+    "QUARANTINE_RELEASES_METRIC",
+    "QUARANTINE_RELEASE_REASONS",
+    "RECEIVES_FAILED_METRIC",
+    "RECEIVE_FAILURE_REASONS",
     "GuardPromMetrics",
     "WedgeGuardPromMetrics",
 ]

@@ -9,10 +9,16 @@ that failed (``failed_recving``, 0.30+) and blocks a load did not fill
 ``update_from_output``, and :meth:`ReceiveNotices.filter` runs once per
 output that reports a load (or when a load never started):
 
+0. the worker's own receive notices end their receives in the receive
+   watch (``receive_watch.py``) and their writers' quarantines
+   (``quarantine.py``); a receive the guard is failing that the worker
+   reports in the same output keeps the worker's outcome;
 1. loads a raising child never started (``containment.py``, handed over by
-   :meth:`ReceiveNotices.load_not_started` at allocation) are added: an
-   async one as a failed receive (before 0.30: a finished receive with its
-   blocks invalid), a sync one as invalid blocks;
+   :meth:`ReceiveNotices.load_not_started` at allocation) and receives the
+   guard failed (:meth:`ReceiveNotices.fail_receive`: past the deadline, or
+   the sender dead) are added: an async one as a failed receive (before
+   0.30: a finished receive with its blocks invalid), a sync one as invalid
+   blocks;
 2. each finished receive goes past the ledger: a duplicate (two children
    reporting one request, upstream #53049) or a late notice (the request is
    gone) is dropped -- passed on, it would trip vLLM's assert or free
@@ -46,6 +52,8 @@ from vllm_mooncake.guard.ledger import (
     DroppedNotices,
     RecvState,
 )
+from vllm_mooncake.guard.quarantine import Quarantine
+from vllm_mooncake.guard.receive_watch import ReceiveWatch
 from vllm_mooncake.guard.stats import GuardStats
 
 if TYPE_CHECKING:
@@ -70,10 +78,23 @@ _dropped_counts = operator.attrgetter(*_DROPPED_KINDS)
 class ReceiveNotices:
     """The one filter of a worker output's load reports (see the module docstring)."""
 
-    def __init__(self, ledger: BlockLedger, stats: GuardStats, block_size: int) -> None:
+    def __init__(
+        self,
+        ledger: BlockLedger,
+        stats: GuardStats,
+        block_size: int,
+        receives: ReceiveWatch,
+        quarantine: Quarantine,
+    ) -> None:
         self._ledger = ledger
         self._stats = stats
         self._block_size = block_size
+        self._receives = receives
+        self._quarantine = quarantine
+        # Receives the guard is failing, not yet reported to vLLM -> the block
+        # ids reported invalid with them (before 0.30), and what to call once
+        # the failure is reported (it counts and logs it).
+        self._failing: dict[str, tuple[tuple[int, ...], Callable[[], None]]] = {}
         # 0.30+: a failed receive is named in failed_recving; before, it is a
         # finished receive whose blocks are in invalid_block_ids.
         self._failed_recving = kv_output_has_failed_recving()
@@ -119,17 +140,40 @@ class ReceiveNotices:
         first, last = start // self._block_size, -(-end // self._block_size)
         self._unstarted_blocks.update(block_ids[first:last])
 
+    def fail_receive(
+        self, req_id: str, block_ids: Sequence[int], reported: Callable[[], None]
+    ) -> None:
+        """Report ``req_id``'s receive as failed in the next :meth:`filter`,
+        then call ``reported`` -- unless the worker reports that receive in
+        the same output: its outcome stands.
+
+        Its sender is dead or silent past the deadline (``stranded.py``,
+        which quarantined its blocks first). vLLM's
+        ``kv_load_failure_policy`` then ends the request with an error or
+        recomputes it from token 0. Before 0.30 the failure is the request's
+        ``block_ids`` reported invalid -- all of them, so that recomputing
+        starts from token 0 in new blocks, never in the quarantined ones.
+        """
+        self._unstarted_recvs.add(req_id)
+        if self._failed_recving:
+            self._failing[req_id] = ((), reported)
+        else:
+            self._failing[req_id] = (tuple(block_ids), reported)
+            self._unstarted_blocks.update(block_ids)
+
     def filter(
         self,
         kv_output: KVConnectorOutput,
         awaited: Awaited,
         block_ids_of: BlockIdsOf,
     ) -> None:
-        """Steps 1-3 of the module docstring on ``kv_output``, in place.
+        """Steps 0-3 of the module docstring on ``kv_output``, in place.
 
         ``awaited`` and ``block_ids_of`` read vLLM's scheduler (the guarded
         scheduler passes its own); the ledger's view never overrules them.
         """
+        if len(self._receives) or len(self._quarantine) or self._failing:
+            self._writers_reported(kv_output)
         # Before 0.30 a dropped notice's failure is in invalid_block_ids.
         received = (
             None if self._failed_recving else set(kv_output.finished_recving or ())
@@ -148,8 +192,24 @@ class ReceiveNotices:
                 kv_output, received, block_ids_of
             )
 
+    # ---- step 0: what the worker reported of its transfers ------------------------
+    def _writers_reported(self, kv_output: KVConnectorOutput) -> None:
+        told = set(kv_output.finished_recving or ())
+        told.update(getattr(kv_output, "failed_recving", None) or ())
+        for req_id in told:
+            self._receives.ended(req_id)
+            if req_id in self._failing:  # the worker's outcome, not ours
+                self._unstarted_recvs.discard(req_id)
+                block_ids, _ = self._failing.pop(req_id)
+                self._unstarted_blocks.difference_update(block_ids)
+            self._quarantine.writer_done(req_id)
+
     # ---- step 1: loads that never started ------------------------------------------
     def _report_unstarted_loads(self, kv_output: KVConnectorOutput) -> None:
+        if self._failing:
+            for _, reported in self._failing.values():
+                reported()
+            self._failing.clear()
         if self._unstarted_recvs:
             live = {r for r in self._unstarted_recvs if self._ledger.get(r)}
             self._unstarted_recvs.clear()

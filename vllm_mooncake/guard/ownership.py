@@ -21,7 +21,12 @@ A room of the guard's scheduler side (``docs/architecture.md``). The facade
    records the blocks (the receive is in flight if the load is async). An
    owner that raised (``containment.py``) never started its load: it is
    handed to the receive notices (``notices.py``) as a failed load, in the
-   same call.
+   same call. A receive that did start goes to the receive watch
+   (``receive_watch.py``), with its sender (``senders.py``).
+
+A request whose failed receive's blocks are quarantined (``quarantine.py``)
+takes no external hit until its old writer is done: a late notice of that
+transfer must never pass for a new load's.
 
 Later the guarded scheduler reports the loads that failed
 (:meth:`LoadOwnership.record_failed_loads`): after ``max_failed_loads`` of
@@ -32,14 +37,15 @@ loader (:meth:`LoadOwnership.forget`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm_mooncake import logger_for
 from vllm_mooncake.guard.config import GuardConfig
 from vllm_mooncake.guard.containment import ChildFault
-from vllm_mooncake.guard.ledger import BlockLedger, LedgerError
+from vllm_mooncake.guard.ledger import BlockLedger, LedgerError, RecvState
 from vllm_mooncake.guard.routing import ChildRouter, UnroutableRequest
+from vllm_mooncake.guard.senders import Sender, sender_of
 from vllm_mooncake.guard.stats import GuardStats
 
 if TYPE_CHECKING:
@@ -57,6 +63,9 @@ Lookup = Callable[["Request", int], tuple[int | None, bool]]
 LoadNotStarted = Callable[["Request", "KVCacheBlocks", int, int], None]
 """Where a load that never started goes: (request, blocks, start, tokens)."""
 
+ReceiveStarted = Callable[[str, "str | None", "Sender | None"], None]
+"""Where a receive that started goes: (request id, owning child, sender)."""
+
 
 class LoadOwnership:
     """Routing, the owner record, the allocation order and the retry budget."""
@@ -70,6 +79,8 @@ class LoadOwnership:
         requests_to_connector: dict[str, int],
         on_ledger_error: Callable[[], None],
         load_not_started: LoadNotStarted,
+        receive_started: ReceiveStarted,
+        quarantined: Container[str],
     ) -> None:
         self.config = config
         self._ledger = ledger
@@ -81,6 +92,8 @@ class LoadOwnership:
         self._requests_to_connector = requests_to_connector
         self._on_ledger_error = on_ledger_error  # called inside except LedgerError
         self._load_not_started = load_not_started
+        self._receive_started = receive_started
+        self._quarantined = quarantined
         # (owner, number of children) -> the order update_state_after_alloc
         # tells the children in (made once per pair).
         self._alloc_orders: dict[tuple[int | None, int], tuple[int, ...]] = {}
@@ -98,10 +111,13 @@ class LoadOwnership:
         ``ask_all`` is MultiConnector's own lookup (every child in turn, the
         first hit loads), used when the request names no child.
         """
+        req_id = request.request_id
+        if req_id in self._quarantined:  # its old writer may still report
+            self.record_lookup(req_id, None, 0, False)
+            return 0, False
         owner = self.route(request)
         if owner == UNROUTABLE:
             return 0, False
-        req_id = request.request_id
         if owner is None:
             num_tokens, is_async = ask_all(request, num_computed_tokens)
             if num_tokens:  # MultiConnector's choice, as its lookup made it
@@ -245,14 +261,20 @@ class LoadOwnership:
             else:
                 children[i].update_state_after_alloc(request, blocks, 0)
         num_blocks = len(blocks.blocks[0]) if blocks.blocks else 0
+        ledger = self._ledger
         try:
-            self._ledger.on_alloc(req_id, num_blocks, num_external_tokens)
+            ledger.on_alloc(req_id, num_blocks, num_external_tokens)
         except LedgerError:
             self._on_ledger_error()
-        if num_external_tokens > 0 and isinstance(fault, ChildFault):
-            entry = self._ledger.get(req_id)
+        if num_external_tokens <= 0:
+            return
+        entry = ledger.get(req_id)
+        if isinstance(fault, ChildFault):
             start = request.num_computed_tokens if entry is None else entry.load_start
             self._load_not_started(request, blocks, start, num_external_tokens)
+        elif entry is not None and entry.recv is RecvState.IN_FLIGHT:
+            sender = sender_of(request.kv_transfer_params)
+            self._receive_started(req_id, entry.owner, sender)
 
     def on_child_fault(self, fault: ChildFault) -> None:
         """A contained child raised (``containment.py``): count it. A load
@@ -260,4 +282,4 @@ class LoadOwnership:
         self._stats.child_errors[f"{fault.child}|{fault.hook}"] += 1
 
 
-__all__ = ["UNROUTABLE", "LoadNotStarted", "LoadOwnership", "Lookup"]
+__all__ = ["UNROUTABLE", "LoadNotStarted", "LoadOwnership", "Lookup", "ReceiveStarted"]

@@ -20,6 +20,9 @@ follows a request through every hook):
 4. The stall watch (``stall_watch.py``) counts the holders after the call:
    the gauges, the resolution WARNING, and the wedge alarm when a stall
    goes on with the valve shut.
+5. Before each call, receives that will not land -- past
+   ``recv_deadline_s``, or their sender dead -- are failed, their blocks
+   quarantined while a writer may remain (``stranded.py``).
 
 Nothing of ``Scheduler.schedule()`` is copied: the subclasses override
 ``schedule`` (to arm the valve and watch for stalls), ``update_from_output``
@@ -52,6 +55,7 @@ from vllm_mooncake.guard.holders import WaitingHolders
 from vllm_mooncake.guard.kv_stats import stats_carrier
 from vllm_mooncake.guard.observer import GuardObserver
 from vllm_mooncake.guard.scheduler_side import GuardSchedulerSide
+from vllm_mooncake.guard.stranded import StrandedReceives
 from vllm_mooncake.guard.valve import LateralValve
 
 if TYPE_CHECKING:
@@ -119,6 +123,9 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
             self.guard_holders,
             self._guard_observers,
         )
+        # Receives whose sender died or went silent (guard/stranded.py).
+        self.guard_stranded = StrandedReceives(self, self.wedge_guard, self._access)
+        self.wedge_guard.has_work = self.has_unfinished_requests
         # Requests finished (aborted) while their receive was in flight:
         # vLLM keeps them, blocks and all, until the receive notice lands.
         self._finished_mid_recv: set[str] = set()
@@ -148,6 +155,7 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
 
     # ---- overrides (each calls super) -------------------------------------------
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        self.guard_stranded.check()
         valve = self.guard_valve
         valve.arm()
         output = super().schedule(*args, **kwargs)

