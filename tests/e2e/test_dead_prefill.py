@@ -36,6 +36,7 @@ from typing import Any
 
 import pytest
 
+from vllm_mooncake.testing import log_lines
 from vllm_mooncake.tools.cluster import layout
 from vllm_mooncake.tools.cluster.client import (
     complete,
@@ -206,6 +207,14 @@ def test_a_silent_then_dead_prefill_starves_stock_and_the_guard_recovers(
         lambda: _metric(guard, "vllm:kv_cache_usage_perc") == 0,
         20,
     )
+    log = cluster.log("decode-1").read_text(errors="replace")
+    for line in (
+        log_lines.STUCK,
+        log_lines.RECEIVE_FAILED,
+        log_lines.QUARANTINE_RELEASED,
+        log_lines.NOT_STUCK,
+    ):
+        assert line.search(log), f"no {line.name} line in decode-1's log"
     # Stock still starves C (vLLM's own bound is Mooncake's 480 s timeout).
     time.sleep(5)
     assert not c[STOCK].done(), "stock served C: the receives did not hang"

@@ -214,6 +214,9 @@ def read_shape(index: ClassIndex, item: Internal) -> Shape:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             if any(isinstance(t, ast.Name) and t.id == item.name for t in targets):
                 return Shape(True, "class body")
+        # a property reads the same as a class-level attribute
+        if isinstance(node, ast.FunctionDef) and node.name == item.name:
+            return Shape(True, "class body")
     elsewhere = [m for m, fn in methods.items() if item.name in _assignments(fn)]
     if elsewhere:
         return Shape(True, f"assigned in {elsewhere[0]} (not __init__)")

@@ -70,15 +70,55 @@ RESERVATION_DROPPED = LogLine(
     r"wedge guard: \S+ reserved blocks against its own admission after a "
     r"failed load; reservation dropped",
 )
-RUNBOOK_LINES = (START, LATERAL, ALARM, LOAD_RETRY_CUTOFF, RESERVATION_DROPPED)
+RECEIVE_FAILED = LogLine(
+    "receive failed",
+    "WARNING",
+    r"wedge guard failed request \S+'s KV receive from \S+: "
+    r"(?:deadline|sender_dead) after [\d.]+ s in flight \(sender .+\); "
+    r"kv_load_failure_policy=\w+ decides; \d+ block\(s\) quarantined",
+)
+QUARANTINE_RELEASED = LogLine(
+    "quarantine released",
+    "INFO",
+    r"wedge guard released \d+ quarantined KV block\(s\) of request \S+: "
+    r"(?:transfer_ended|sender_dead)",
+)
+STUCK = LogLine(
+    "stuck",
+    "WARNING",
+    r"wedge guard: no token scheduled for [\d.]+ s while requests wait "
+    r"\(recv_deadline_s=[\d.]+\); this rank reports itself stuck "
+    r"\(vllm:kv_guard_stuck=1\)",
+)
+NOT_STUCK = LogLine(
+    "not stuck",
+    "INFO",
+    r"wedge guard: (?:tokens scheduled again|no request left); this rank is "
+    r"not stuck",
+)
+RUNBOOK_LINES = (
+    START,
+    LATERAL,
+    ALARM,
+    LOAD_RETRY_CUTOFF,
+    RESERVATION_DROPPED,
+    RECEIVE_FAILED,
+    QUARANTINE_RELEASED,
+    STUCK,
+    NOT_STUCK,
+)
 
 __all__ = [
     "ALARM",
     "LATERAL",
     "LOAD_RETRY_CUTOFF",
+    "QUARANTINE_RELEASED",
+    "RECEIVE_FAILED",
     "RESERVATION_DROPPED",
     "RUNBOOK_LINES",
     "START",
+    "STUCK",
     "VLLM_PREFIX",
     "LogLine",
+    "NOT_STUCK",
 ]
