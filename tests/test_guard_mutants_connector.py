@@ -1,0 +1,1 @@
+"""Tests written for surviving mutants of guard/ (bench/mutation.py)."""
