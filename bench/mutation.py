@@ -15,7 +15,7 @@ tests at ``VLLM_MOONCAKE_PROPERTY_EXAMPLES=25``). ::
 
     python bench/mutation.py                      # every file of guard/
     python bench/mutation.py --only ledger.py scheduler.py
-    python bench/mutation.py --report             # survivors of the last run
+    python bench/mutation.py --report             # survivors of the last run, diffs
     python bench/mutation.py --only ledger.py --mutants NAME ...  # re-check some
     python bench/mutation.py --keep --mutants 'vllm_mooncake.guard.valve.*'
     python bench/mutation.py --summary            # per module, from the last run
@@ -96,6 +96,9 @@ def prepare(only: Sequence[str]) -> None:
         + "pytest_add_cli_args_test_selection =\n"
         + "".join(f"    {t}\n" for t in TESTS)
         + "pytest_add_cli_args =\n    -p\n    no:cacheprovider\n    -q\n"
+        # A mutant that loops (the valve retrying without spending its
+        # budget) would hold a core for (tests' time + 1) * 15 * 2 s.
+        + "timeout_multiplier = 1.5\n"
         "\n[tool:pytest]\n"
         "filterwarnings =\n    ignore::DeprecationWarning\n    ignore::FutureWarning\n"
     )
@@ -189,11 +192,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         start = time.monotonic()
         code = run(args.max_children, args.mutants)
         print(f"mutmut run: exit {code}, {time.monotonic() - start:.0f} s")
-    survivors = report()
-    (WORK / "survivors.txt").write_text(survivors)
-    print(survivors)
+    if args.report:
+        survivors = report()
+        (WORK / "survivors.txt").write_text(survivors)
+        print(survivors)
+        print(f"survivors and their diffs: {WORK / 'survivors.txt'}")
     print(summary())
-    print(f"survivors and their diffs: {WORK / 'survivors.txt'}")
     return 0
 
 
