@@ -12,8 +12,13 @@ import logging
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client import generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_mooncake.guard.kv_stats import GUARD_STATS_KEY, GuardKVConnectorStats
