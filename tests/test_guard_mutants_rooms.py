@@ -17,7 +17,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request, RequestStatus
 
 from vllm_mooncake.guard import notices as notices_module
 from vllm_mooncake.guard.config import GuardConfig
@@ -36,10 +38,14 @@ from vllm_mooncake.guard.ledger import (
     WaitStatus,
 )
 from vllm_mooncake.guard.notices import ReceiveNotices
+from vllm_mooncake.guard.observer import GuardObserver
 from vllm_mooncake.guard.routing import ChildRouter
 from vllm_mooncake.guard.scheduler_side import GuardSchedulerSide
 from vllm_mooncake.guard.stall_watch import StepObservation
 from vllm_mooncake.guard.stats import GuardStats
+from vllm_mooncake.testing.configs import guarded
+from vllm_mooncake.testing.driver import EngineShape, SchedulerDriver
+from vllm_mooncake.testing.wedges import W1, play
 
 BLOCK = 16
 
@@ -306,3 +312,55 @@ def test_a_raising_child_costs_its_request_the_hook_and_is_reported(
         for hook in (LOOKUP, ALLOC, FINISHED, FINISHED)
     ]
     assert all(r.exc_info for r in records)
+
+
+# ---- the valve: when it is installed, what admission observers hear ----------------
+def _shadowed(d: SchedulerDriver) -> bool:
+    """Whether the KVCacheManager's ``allocate_slots`` is an instance shadow."""
+    return "allocate_slots" in vars(d.scheduler.kv_cache_manager)
+
+
+def test_the_valve_is_installed_only_for_calls_that_may_admit_laterally() -> None:
+    """Under ``only_when_idle`` a call that starts with a request running
+    uses vLLM's own ``allocate_slots`` (the valve is taken off again after
+    an idle call put it on); with the valve off by policy it is never on."""
+    d = SchedulerDriver.build(EngineShape(num_blocks=40), guarded("reserve+lateral"))
+    d.add("a", 16 * 4, max_tokens=4)
+    d.step()  # idle at the start of the call: the valve is on
+    assert _shadowed(d)
+    assert d.status("a") == "RUNNING"
+    d.step()  # "a" runs: off again
+    assert not _shadowed(d)
+    d.run(20)
+    assert set(d.finished) == {"a"}
+
+    off = SchedulerDriver.build(EngineShape(num_blocks=40), guarded("reserve"))
+    off.add("a", 16 * 4, max_tokens=2)
+    off.step()
+    assert not _shadowed(off)
+
+
+class _Admissions(GuardObserver):
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, RequestStatus, bool]] = []
+
+    def admission(self, request: Request, blocks: KVCacheBlocks | None) -> None:
+        self.seen.append((request.request_id, request.status, blocks is not None))
+
+
+def test_admission_observers_hear_every_admission_and_only_admissions() -> None:
+    """W1: X's admission fails while Y's receive is in flight (no victim:
+    the observer still hears the failure), later succeeds; the running
+    requests' own allocations are no admissions."""
+    d = SchedulerDriver.build(W1.shape, guarded("reserve+lateral"))
+    observer = _Admissions()
+    d.scheduler.add_guard_observer(observer)
+    play(d, W1, max_steps=300)
+    assert set(d.finished) == {"X", "Y"}
+    assert observer.seen
+    assert all(
+        status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        for _, status, _ in observer.seen
+    )
+    assert ("X", RequestStatus.WAITING, False) in observer.seen
+    assert ("X", RequestStatus.WAITING, True) in observer.seen
