@@ -270,7 +270,13 @@ def test_log_line_names_every_counter_and_gauge() -> None:
         recv_done_holders_waiting=7,
         blocks_held_by_non_running=8,
         stalled_steps=9,
+        stranded_receives=16,
+        quarantined_blocks=17,
+        stuck=1,
     )
+    stats.receives_failed["deadline|a"] = 18
+    stats.receives_failed["sender_dead|a"] = 1
+    stats.quarantine_releases["transfer_ended"] = 20
     stats.lateral_preemptions[("recv_done", "a")] = 10
     stats.lateral_preemptions[("promoted_idle", "b")] = 1
     stats.dropped_recv_notices["duplicate"] = 11
@@ -291,10 +297,15 @@ def test_log_line_names_every_counter_and_gauge() -> None:
         "Child connector errors": 13,
         "Ledger disagreements": 14,
         "Load retry cutoffs": 15,
+        "Receives failed": 19,
+        "Quarantine releases": 20,
         "Ledger errors": 6,
         "Recv-done holders waiting": 7,
         "Blocks held by non-running": 8,
         "Stalled steps": 9,
+        "Stranded receives": 16,
+        "Quarantined blocks": 17,
+        "Stuck": 1,
     }
 
 

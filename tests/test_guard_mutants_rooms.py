@@ -39,8 +39,11 @@ from vllm_mooncake.guard.ledger import (
 )
 from vllm_mooncake.guard.notices import ReceiveNotices
 from vllm_mooncake.guard.observer import GuardObserver
+from vllm_mooncake.guard.quarantine import Quarantine
+from vllm_mooncake.guard.receive_watch import ReceiveWatch
 from vllm_mooncake.guard.routing import ChildRouter
 from vllm_mooncake.guard.scheduler_side import GuardSchedulerSide
+from vllm_mooncake.guard.senders import SenderProbes
 from vllm_mooncake.guard.stall_watch import StepObservation
 from vllm_mooncake.guard.stats import GuardStats
 from vllm_mooncake.testing.configs import guarded
@@ -48,6 +51,20 @@ from vllm_mooncake.testing.driver import EngineShape, SchedulerDriver
 from vllm_mooncake.testing.wedges import W1, play
 
 BLOCK = 16
+
+
+def _notices(ledger: BlockLedger, stats: GuardStats) -> ReceiveNotices:
+    """The notice filter with its receive watch and quarantine (no receive
+    in flight, nothing quarantined: as these tests need)."""
+    probes = SenderProbes()
+    config = GuardConfig()
+    return ReceiveNotices(
+        ledger,
+        stats,
+        BLOCK,
+        ReceiveWatch(config, ledger, stats, probes),
+        Quarantine(config, stats, probes),
+    )
 
 
 @pytest.fixture
@@ -98,7 +115,7 @@ def test_disagreements_are_logged_once_per_request_saying_what_became_of_the_not
     ledger expects one vLLM no longer waits on: dropped. The line names the
     request, the kind and the outcome, once per request."""
     ledger, stats = BlockLedger(), GuardStats()
-    notices = ReceiveNotices(ledger, stats, BLOCK)
+    notices = _notices(ledger, stats)
     ledger.on_arrival("p")  # no receive in the ledger; vLLM waits
     _in_flight(ledger, "d")  # the ledger expects it; vLLM does not wait
     for _ in range(2):
@@ -121,7 +138,7 @@ def test_the_once_per_request_memory_is_bounded_oldest_first(
     again); the newer ones are not."""
     monkeypatch.setattr(notices_module, "_LOGGED_ONCE_MAX", 2)
     ledger = BlockLedger()
-    notices = ReceiveNotices(ledger, GuardStats(), BLOCK)
+    notices = _notices(ledger, GuardStats())
     for req_id in ("a", "b", "c", "b", "a"):
         notices.filter(
             KVConnectorOutput(finished_recving={req_id}), lambda r: True, _no_blocks
@@ -136,7 +153,7 @@ def test_each_batch_of_dropped_notices_is_logged_with_its_own_count(
     """A duplicate notice in each of two outputs: two lines of 1, not a
     running total; the counter holds 2."""
     ledger, stats = BlockLedger(), GuardStats()
-    notices = ReceiveNotices(ledger, stats, BLOCK)
+    notices = _notices(ledger, stats)
     _in_flight(ledger, "r")
     notices.filter(
         KVConnectorOutput(finished_recving={"r"}), lambda r: True, _no_blocks
@@ -168,7 +185,7 @@ def test_a_sync_load_that_never_started_fails_exactly_its_blocks() -> None:
     """Tokens 16-48 of a sync load (block size 16) are blocks 1 and 2 of the
     request: those are reported invalid, added to what the worker reported;
     a request with no blocks adds none."""
-    notices = ReceiveNotices(BlockLedger(), GuardStats(), BLOCK)
+    notices = _notices(BlockLedger(), GuardStats())
     _load_not_started(notices, "s", [100, 101, 102, 103, 104], 16, 32)
     _load_not_started(notices, "t", [200, 201, 202, 203, 204], 0, 40)
     _load_not_started(notices, "empty", [], 0, 16)
@@ -182,7 +199,7 @@ def test_an_async_load_that_never_started_joins_the_reported_failures() -> None:
     """The unstarted receive is added to ``finished_recving`` and
     ``failed_recving`` next to what the worker already reported there."""
     ledger = BlockLedger()
-    notices = ReceiveNotices(ledger, GuardStats(), BLOCK)
+    notices = _notices(ledger, GuardStats())
     _in_flight(ledger, "a", "z")
     _load_not_started(notices, "a", [1, 2, 3, 4], 0, 64)
     out = KVConnectorOutput(finished_recving={"z"}, failed_recving={"z"})
