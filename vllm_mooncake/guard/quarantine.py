@@ -74,6 +74,8 @@ class Quarantine:
         self.clock: Callable[[], float] = time.monotonic
         self.holds: BlockHolds | None = None  # set by the guarded scheduler
         self._held: dict[str, _Held] = {}
+        # The ids held, as a view (a lookup asks it per request: no call).
+        self.held_ids = self._held.keys()
         # When poll() next asks the senders (inf: no held entry has one).
         self.next_check = math.inf
 

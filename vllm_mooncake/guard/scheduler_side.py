@@ -78,7 +78,7 @@ class GuardSchedulerSide:
             self._ledger_refused,
             self.notices.load_not_started,
             self.receives.started,
-            self.quarantine,
+            self.quarantine.held_ids,
         )
         self.watch = StallWatch(config, self.ledger, self.stats)
         # Whether the scheduler has unfinished requests (the guarded
