@@ -18,6 +18,7 @@ set by the test so that deadlines come in microseconds.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 from collections.abc import Iterator
@@ -25,6 +26,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from vllm.v1.request import RequestStatus
 
 from vllm_mooncake.guard.config import GuardConfig, GuardConfigError
@@ -43,6 +46,11 @@ from vllm_mooncake.testing.configs import guarded, pd_transfer
 from vllm_mooncake.testing.driver import EngineShape, SchedulerDriver
 
 NEVER = 10**6  # worker steps: the scripted receive never lands in a test
+# Examples of the property at the end (a benchmark runs more:
+# VLLM_MOONCAKE_DEAD_SENDER_EXAMPLES=2000).
+PROPERTY_EXAMPLES = int(
+    os.environ.get("VLLM_MOONCAKE_DEAD_SENDER_EXAMPLES", "60")
+)  # worker steps: the scripted receive never lands in a test
 
 
 class Clock:
@@ -461,3 +469,67 @@ def test_an_aborted_receive_gives_its_blocks_back() -> None:
     assert driver.num_free_blocks == driver.num_usable_blocks - 2
     driver.step(finished_recving=["R1"])  # the old transfer ends
     assert driver.num_free_blocks == driver.num_usable_blocks
+
+
+# ---- 4. the property: no block under a live writer is ever reused ---------------
+NEVER_DONE = -1
+
+
+@settings(max_examples=PROPERTY_EXAMPLES, deadline=None)
+@given(
+    policy=st.sampled_from(["fail", "recompute"]),
+    deadline_s=st.integers(1, 8),
+    done_step=st.sampled_from([NEVER_DONE, *range(1, 13)]),
+    done_failed=st.booleans(),
+    abort_step=st.sampled_from([None, *range(1, 9)]),
+)
+def test_no_block_a_live_writer_may_write_is_ever_reused(
+    policy: str,
+    deadline_s: int,
+    done_step: int,
+    done_failed: bool,
+    abort_step: int | None,
+) -> None:
+    """R1's receive (2 blocks) may land, fail, or never end; its deadline
+    fires at any step, also the step its transfer reports; its client may
+    abort. Until the worker reports the transfer's end, R1's blocks are
+    never free, never another request's, and never R1's own again once its
+    receive was failed. After the end and the drain, the pool is whole
+    (unless the transfer never ends: then they stay held)."""
+    driver, clock = _decode(policy=policy, deadline=float(deadline_s))
+    driver.add("R1", 32, kv_transfer_params=pd_transfer(done_after=NEVER))
+    driver.add("C", 48)
+    driver.step()
+    original = _block_refs(driver, "R1")
+    ids = {b.block_id for b in original}
+    side = driver.scheduler.wedge_guard
+    writer_done = False
+    for step in range(1, 16):
+        clock.now += 1.0
+        if step == abort_step and "R1" in driver.scheduler.requests:
+            driver.abort("R1")
+        reports: dict[str, list[str]] = {}
+        if step == done_step:
+            reports["finished_recving"] = ["R1"]
+            if done_failed:
+                reports["failed_recving"] = ["R1"]
+        driver.step(**reports)
+        writer_done = writer_done or step == done_step
+        if writer_done:
+            continue
+        assert all(b.ref_cnt > 0 for b in original), "a live writer's block is free"
+        if side.stats.receives_failed.total():
+            assert not ids & _in_use(driver), "a live writer's block is in use"
+        else:
+            others = _in_use(driver) - set(
+                (driver.scheduler.kv_cache_manager.get_block_ids("R1") or [[]])[0]
+                if "R1" in driver.scheduler.requests
+                else ()
+            )
+            assert not ids & others
+    driver.run(60)
+    if done_step == NEVER_DONE and side.stats.receives_failed.total():
+        assert side.stats.quarantined_blocks == len(original)
+    else:
+        assert side.stats.quarantined_blocks == 0
+        assert driver.num_free_blocks == driver.num_usable_blocks
