@@ -64,6 +64,7 @@ TESTS = (
     "tests/test_config_and_plugin.py",
     "tests/test_check_config.py",
     "tests/test_guard_mutants_rooms.py",
+    "tests/test_dead_senders.py",
     "tests/test_guard_mutants_connector.py",
 )
 SUPPORT = ("tests/conftest.py",)
