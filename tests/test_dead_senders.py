@@ -303,18 +303,29 @@ def _block_refs(driver: SchedulerDriver, req_id: str) -> list[Any]:
     return list(blocks)
 
 
+def _block_ids(driver: SchedulerDriver, *req_ids: str) -> set[int]:
+    """The block ids (first KV cache group) the live ``req_ids`` hold."""
+    manager = driver.scheduler.kv_cache_manager
+    return {
+        block_id
+        for req_id in req_ids
+        if req_id in driver.scheduler.requests
+        for block_id in (manager.get_block_ids(req_id) or [[]])[0]
+    }
+
+
 def _in_use(driver: SchedulerDriver) -> set[int]:
     """Block ids a live request uses, other than a receive's own blocks while
     it still waits for that receive."""
-    scheduler = driver.scheduler
-    manager = scheduler.kv_cache_manager
-    return {
-        block_id
-        for req_id, request in scheduler.requests.items()
-        if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS
-        and not request.is_finished()
-        for block_id in (manager.get_block_ids(req_id) or [[]])[0]
-    }
+    return _block_ids(
+        driver,
+        *(
+            req_id
+            for req_id, request in driver.scheduler.requests.items()
+            if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS
+            and not request.is_finished()
+        ),
+    )
 
 
 def _run_until(
@@ -349,7 +360,7 @@ def test_fail_policy_ends_the_stranded_receives_and_keeps_their_blocks_unused() 
     driver, clock = _decode(policy="fail", deadline=30.0)
     _stranded_pair(driver)
     side = driver.scheduler.wedge_guard
-    old = {b.block_id for r in ("R1", "R2") for b in _block_refs(driver, r)}
+    old = _block_ids(driver, "R1", "R2")
     clock.now += 29.0
     driver.step()
     assert driver.status("R1") == "WAITING_FOR_REMOTE_KVS"  # not before
@@ -379,7 +390,7 @@ def test_fail_policy_ends_the_stranded_receives_and_keeps_their_blocks_unused() 
 def test_recompute_policy_prefills_locally_in_other_blocks() -> None:
     driver, clock = _decode(policy="recompute", deadline=30.0)
     _stranded_pair(driver)
-    old = {b.block_id for r in ("R1", "R2") for b in _block_refs(driver, r)}
+    old = _block_ids(driver, "R1", "R2")
     clock.now += 30.0
     seen = _run_until(driver, clock, lambda d: False, steps=20)
     side = driver.scheduler.wedge_guard
@@ -521,12 +532,7 @@ def test_no_block_a_live_writer_may_write_is_ever_reused(
         if side.stats.receives_failed.total():
             assert not ids & _in_use(driver), "a live writer's block is in use"
         else:
-            others = _in_use(driver) - set(
-                (driver.scheduler.kv_cache_manager.get_block_ids("R1") or [[]])[0]
-                if "R1" in driver.scheduler.requests
-                else ()
-            )
-            assert not ids & others
+            assert not ids & (_in_use(driver) - _block_ids(driver, "R1"))
     driver.run(60)
     if done_step == NEVER_DONE and side.stats.receives_failed.total():
         assert side.stats.quarantined_blocks == len(original)

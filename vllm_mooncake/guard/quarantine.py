@@ -59,7 +59,6 @@ class BlockHolds(Protocol):
 class _Held:
     blocks: Sequence[Any]
     sender: Sender | None
-    since: float
 
 
 class Quarantine:
@@ -79,15 +78,8 @@ class Quarantine:
         # When poll() next asks the senders (inf: no held entry has one).
         self.next_check = math.inf
 
-    def __contains__(self, req_id: object) -> bool:
-        return req_id in self._held
-
     def __len__(self) -> int:
         return len(self._held)
-
-    @property
-    def num_blocks(self) -> int:
-        return self._stats.quarantined_blocks
 
     def hold(self, req_id: str, blocks: Sequence[Any], sender: Sender | None) -> None:
         """Keep ``blocks`` from reuse until ``req_id``'s writer is done."""
@@ -95,7 +87,7 @@ class Quarantine:
             return
         assert self.holds is not None, "the guarded scheduler binds the block pool"
         self.holds.hold_blocks(blocks)
-        self._held[req_id] = _Held(blocks, sender, self.clock())
+        self._held[req_id] = _Held(blocks, sender)
         self._stats.quarantined_blocks += len(blocks)
         if sender is not None and self.config.sender_probe_s > 0:
             self._probes.ask(sender)

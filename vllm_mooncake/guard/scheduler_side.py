@@ -171,8 +171,8 @@ class GuardSchedulerSide:
     def before_stats_report(self) -> None:
         """vLLM is about to read the stats: a stuck flag on an engine with
         nothing left to do is cleared (it will not step again to say so)."""
-        if self.stats.stuck:
-            self.watch.clear_stuck_if_idle(self.has_work())
+        if self.stats.stuck and not self.has_work():
+            self.watch.clear_stuck("no request left")
 
     def note_attempts_exhausted(self) -> None:
         self.stats.attempts_exhausted += 1

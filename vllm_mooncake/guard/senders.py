@@ -186,10 +186,6 @@ class SenderProbes:
         self._collect(sender)
         return self._refusals.get(sender, 0) > 0
 
-    def forget(self, sender: Sender) -> None:
-        """No receive or quarantine names ``sender`` any more."""
-        self._refusals.pop(sender, None)
-
     def _collect(self, sender: Sender) -> None:
         future = self._running.get(sender)
         if future is None or not future.done():

@@ -21,7 +21,7 @@ per ``schedule()`` call by the guarded scheduler
    (``vllm:kv_guard_stuck`` 1, a WARNING), whatever the reason -- a wedge,
    receives that never land, blocks quarantined for a silent sender. The
    first step that schedules a token ends it (INFO), and so does an engine
-   left with nothing to do (:meth:`StallWatch.clear_stuck_if_idle`). The
+   left with nothing to do (:meth:`StallWatch.clear_stuck`). The
    readiness probe (``tools/ready.py``) reads the flag.
 
 A plain module: no vLLM import (the census reads vLLM's queues behind
@@ -139,7 +139,7 @@ class StallWatch:
         """Steps 1-3 of the module docstring, once per ``schedule()`` call."""
         if scheduled_tokens > 0:
             if self._idle_since is not None:
-                self._progress()
+                self.clear_stuck("tokens scheduled again")
         else:
             self._no_progress()
         if (
@@ -185,19 +185,14 @@ class StallWatch:
                 self.config.recv_deadline_s,
             )
 
-    def _progress(self) -> None:
+    def clear_stuck(self, why: str) -> None:
+        """The spell without progress is over (a token was scheduled, or the
+        engine has nothing left to do: it stops stepping, so no later step
+        would say so); a stuck flag comes down with one INFO line."""
         self._idle_since = None
         if self._stats.stuck:
             self._stats.stuck = 0
-            logger.info("wedge guard: tokens scheduled again; this rank is not stuck")
-
-    def clear_stuck_if_idle(self, has_work: bool) -> None:
-        """An engine with nothing left to do is not stuck (it stops stepping,
-        so no later step would say so)."""
-        if self._stats.stuck and not has_work:
-            self._idle_since = None
-            self._stats.stuck = 0
-            logger.info("wedge guard: no request left; this rank is not stuck")
+            logger.info("wedge guard: %s; this rank is not stuck", why)
 
     def note_no_stall(self) -> None:
         """This step is no stall: the stall watch starts over (the alarm
