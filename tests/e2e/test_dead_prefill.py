@@ -7,8 +7,8 @@ vLLM's default ``kv_load_failure_policy`` (fail), 6 KV blocks of 128 tokens
 per decode. On each decode:
 
 1. R1 and R2 (200 tokens, 2 blocks each) arrive as P->D requests naming the
-   prefill; the prefill never got them, so their
-   receives never land (as if it died right after the router sent them);
+   prefill; the prefill never got them, so their receives never land (as if
+   it died right after the router sent them);
 2. the prefill's process group is stopped (SIGSTOP): it still accepts
    connections, so it looks alive -- a silent sender;
 3. C (300 tokens, 3 blocks) arrives: 2 blocks are free.
@@ -32,7 +32,6 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 import pytest
@@ -132,30 +131,6 @@ def _metric(url: str, name: str, **labels: str) -> float:
     return metric_total(scrape(url), name, **labels)
 
 
-def _two_waiting(url: str) -> bool:
-    return _metric(url, "vllm:num_requests_waiting") == 2
-
-
-def _send_stranded(
-    pool: ThreadPoolExecutor, cluster: Cluster, d: int
-) -> list[Future[Any]]:
-    """R1 and R2 to decode ``d``: P->D requests whose prefill never got them."""
-    out = []
-    for seed in (1, 2):
-        _, decode_params = mooncake_legs(cluster.bootstrap_urls[0])
-        out.append(
-            pool.submit(
-                complete,
-                cluster.decode_urls[d],
-                _ids(200, 10 * d + seed),
-                MAX_TOKENS,
-                timeout=240,
-                kv_transfer_params=decode_params,
-            )
-        )
-    return out
-
-
 def test_a_silent_then_dead_prefill_starves_stock_and_the_guard_recovers(
     dead_cluster: Cluster, c_reference: list[int]
 ) -> None:
@@ -163,14 +138,31 @@ def test_a_silent_then_dead_prefill_starves_stock_and_the_guard_recovers(
     decodes = cluster.decode_urls
     prefill = next(p for p in Run(cluster.run_dir).procs if p.name == "prefill-0")
     pool = ThreadPoolExecutor(8)
-    # Both decodes' R1 and R2 at once; the guard is watched first, since its
-    # deadline runs from their start (on 2 shared cores a decode's gauges
-    # can take 15 s to show them).
-    stranded = {d: _send_stranded(pool, cluster, d) for d in (GUARD, STOCK)}
-    # Stock is judged by its clients (no answer), not its gauges: a second
-    # decode's gauges can stay at 0 past the guard's deadline here.
-    url = decodes[GUARD]
-    _wait(f"{url}: R1 and R2 in flight", partial(_two_waiting, url), DEADLINE_S - 5)
+    stranded: dict[int, list[Future[Any]]] = {}
+    for d in (GUARD, STOCK):  # the guard first: its deadline is the clock
+        url = decodes[d]
+        stranded[d] = []
+        for seed in (1, 2):
+            _, decode_params = mooncake_legs(cluster.bootstrap_urls[0])
+            stranded[d].append(
+                pool.submit(
+                    complete,
+                    url,
+                    _ids(200, 10 * d + seed),
+                    MAX_TOKENS,
+                    timeout=240,
+                    kv_transfer_params=decode_params,
+                )
+            )
+    # Only the guard's gauges gate the stop: its deadline runs from its
+    # receives' start. A decode whose receives are in flight busy-polls its
+    # worker, and on 2 shared cores the other decode's gauges can stay at 0
+    # past that deadline, so stock is judged by its clients (no answer).
+    _wait(
+        "guard: R1 and R2 in flight",
+        lambda: _metric(decodes[GUARD], "vllm:num_requests_waiting") == 2,
+        DEADLINE_S - 5,
+    )
     assert _metric(decodes[GUARD], FAILED) == 0, "the deadline came before the stop"
     os.killpg(prefill.pid, signal.SIGSTOP)  # a silent sender: alive, mute
     started = time.monotonic()
