@@ -270,30 +270,18 @@ def restart_rank(cluster: Cluster, name: str, timeout: float = 600.0) -> float:
     return start_rank(cluster, name, timeout)
 
 
-# The CPU priority a replacement rank starts with, until it is healthy: on a
-# host whose cores the other ranks share, their idle-spinning workers (vLLM's
-# shm message queue busy-polls for 1 s after each read, so under load it
-# never sleeps) otherwise starve a start-up for minutes.
-START_NICE = -10
-
-
 def start_rank(cluster: Cluster, name: str, timeout: float = 600.0) -> float:
     """Start stopped rank ``name`` with its first command and environment (a
     crashed or redeployed server); return the seconds until it is healthy.
     A prefill comes back with a new engine id and registers it on its
-    (still running) Mooncake bootstrap server. Where permitted (root) the
-    start-up runs at :data:`START_NICE`, then at the default priority."""
+    (still running) Mooncake bootstrap server."""
     rank = next(r for r in cluster.ranks if r.name == name)
     state = Run(cluster.run_dir)
     store_path = cluster.run_dir / STORE_CONFIG_FILE if cluster.spec.store else None
     env = rank_env(cluster.spec, rank, cluster.cpu, base_env(), store_path)
     argv = layout.server_argv(cluster.spec, rank, cluster.model, cluster.cpu)
     proc = state.start(name, argv, env, f"{rank.url}/health")
-    proc.set_nice(START_NICE)
-    try:
-        return state.wait_healthy([proc], timeout=timeout, poll=2.0)
-    finally:
-        proc.set_nice(0)
+    return state.wait_healthy([proc], timeout=timeout, poll=2.0)
 
 
 def start_store(

@@ -55,19 +55,6 @@ class Proc:
         stat = _stat(self.pid)
         return stat is not None and stat[1] == self.start_ticks
 
-    def set_nice(self, value: int) -> bool:
-        """Set the CPU priority of every thread of every member (Linux nice
-        is per thread); False when not permitted (raising it needs root)."""
-        for pid in self.members():
-            for task in Path(f"/proc/{pid}/task").glob("*"):
-                try:
-                    os.setpriority(os.PRIO_PROCESS, int(task.name), value)
-                except PermissionError:
-                    return False
-                except (ProcessLookupError, FileNotFoundError):
-                    continue  # the thread ended meanwhile
-        return True
-
 
 def _stat(pid: int) -> tuple[int, int] | None:
     """(session id, start time in clock ticks) of ``pid``, or None."""
