@@ -170,10 +170,12 @@ class BenchRounds:
         )
 
     def longest_round_overrun_s(self) -> float:
-        """How much longer than its arrivals (prompts / rate) a round took:
-        bounds every request of it, failed ones included."""
+        """How much longer than its arrivals (prompts / rate) a round's
+        benchmark (vLLM's ``duration``: first send to last answer, the
+        client's start-up excluded) took: bounds every request of it,
+        failed ones included."""
         span = self.round_prompts / self.rate
-        return max((r["wall_s"] - span for r in self.results), default=0.0)
+        return max((r["duration"] - span for r in self.results), default=0.0)
 
 
 @dataclass
