@@ -8,10 +8,9 @@ request/s that records when each of its requests ended and how
 (:mod:`~vllm_mooncake.tools.cluster.rollout_load`). After a 30 s baseline,
 prefill-0 is SIGKILLed mid-load and restarted, then decode-0 is drained and
 restarted, the router restarted after each
-(:mod:`~vllm_mooncake.tools.cluster.rollout`). A sample of the full
-rollout: ``bench/rolling_restart.py`` replaces every rank, for the guard
-and for stock (whose receives from the killed prefill wait for Mooncake's
-480 s timeout), and its figures are in bench/RESULTS.md.
+(:mod:`~vllm_mooncake.tools.cluster.rollout`). A sample of a full
+rollout, which replaces every rank (the runbook's "Rolling restarts,
+measured" has both kinds of step on every rank of a 2P2D).
 
 Checked: every request of both clients ended, served or with an error, and
 none took longer than the deadline plus 10 s; the restarted prefill serves
@@ -47,9 +46,10 @@ pytestmark = pytest.mark.e2e
 
 RUN = "e2e-rolling"
 DEADLINE_S = 60.0
-# Measured on 2 shared cores (bench/RESULTS.md, "Rolling restart"): the
-# probe's requests are all served again within about 25 s of the router's
-# restart (a restarted rank's first requests are slow); the bound leaves room.
+# Measured on 2 shared cores (docs/runbook.md, "Rolling restarts,
+# measured"): a restarted rank's first requests took up to 27 s, and the
+# first e2e run had every probe request served 0.1 s after the router's
+# restart; the bound leaves room.
 RECOVERY_BOUND_S = 60.0
 HANG_BOUND_S = DEADLINE_S + 10
 PROMPT = [1] + [3 + (i * 37) % 420 for i in range(149)]

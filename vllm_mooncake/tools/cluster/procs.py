@@ -200,8 +200,11 @@ class Run:
         return time.monotonic() - t0
 
     # ---- stop -----------------------------------------------------------------
-    def stop_one(self, name: str, timeout: float = 30.0) -> list[str]:
-        """Stop the recorded process ``name`` (SIGTERM, then SIGKILL); it
+    def stop_one(
+        self, name: str, timeout: float = 30.0, sig: int = signal.SIGTERM
+    ) -> list[str]:
+        """Stop the recorded process ``name`` (``sig``, SIGTERM unless told:
+        SIGKILL is a crash; then SIGKILL for what outlives ``timeout``); it
         stays recorded, so :meth:`stop` still reports it."""
         named = [p for p in self.procs if p.name == name]
         if not named:
@@ -209,11 +212,11 @@ class Run:
         proc = named[-1]  # the latest start of that name
         members = proc.members()
         for pid in members:
-            _signal(pid, signal.SIGTERM)
+            _signal(pid, sig)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and proc.members():
             time.sleep(0.2)
-        report = [f"{name}: SIGTERM to {len(members)} process(es)"]
+        report = [f"{name}: {signal.Signals(sig).name} to {len(members)} process(es)"]
         for pid in proc.members():
             _signal(pid, signal.SIGKILL)
             report.append(f"{name}: SIGKILL to {pid}")

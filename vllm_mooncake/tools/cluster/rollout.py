@@ -27,18 +27,18 @@ A **decode** is replaced as a planned rollout replaces it
 and no waiting request, read from its ``/metrics``), stopped (SIGTERM),
 started again, and the router restarted to route to it again.
 
-The router restart is a gap of about a second: connections in it are
-refused, and the router's graceful shutdown lets the requests it carries
-finish first (:func:`restart_router`). :class:`Traffic` is a client that
-sends one request at a fixed interval through the router and records when
-each ended and how, so a caller can check that none hung.
+The router restart is a gap (8-36 s measured on 2 shared cores): its
+graceful shutdown refuses new connections while the requests it carries
+finish, then the new router starts (:func:`restart_router`).
+:class:`Traffic` is a client that sends one request at a fixed interval
+through the router and records when each ended and how, so a caller can
+check that none hung.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import signal
 import sys
 import threading
@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from vllm_mooncake.tools.cluster import layout
 from vllm_mooncake.tools.cluster.client import complete, metric_total, scrape
 from vllm_mooncake.tools.cluster.local import Cluster, attach, base_env, start_rank
-from vllm_mooncake.tools.cluster.procs import Run, StartupError, _signal
+from vllm_mooncake.tools.cluster.procs import Run, StartupError
 
 ROUTER = "router"
 Say = Callable[[str], None]
@@ -78,12 +78,6 @@ class Step:
 
 
 # ---- the router -------------------------------------------------------------------
-def router_workers(cluster: Cluster) -> list[str]:
-    """The worker URLs the router routes to now."""
-    with urllib.request.urlopen(f"{cluster.router_url}/list_workers", timeout=5) as r:
-        return list(json.loads(r.read())["urls"])
-
-
 def unroute(cluster: Cluster, url: str) -> None:
     """Take ``url`` out of the router: no new request goes to it."""
     quoted = urllib.parse.quote(url, safe="")
@@ -117,13 +111,9 @@ def kill_rank(cluster: Cluster, name: str, timeout: float = 30.0) -> int:
     state = Run(cluster.run_dir)
     proc = [p for p in state.procs if p.name == name][-1]
     members = proc.members()
-    for pid in members:
-        _signal(pid, signal.SIGKILL)
-    deadline = time.monotonic() + timeout
-    while proc.members():
-        if time.monotonic() > deadline:
-            raise StartupError(f"{name}: processes {proc.members()} outlived SIGKILL")
-        time.sleep(0.2)
+    state.stop_one(name, timeout, sig=signal.SIGKILL)
+    if proc.members():
+        raise StartupError(f"{name}: processes {proc.members()} outlived SIGKILL")
     return len(members)
 
 
@@ -158,6 +148,17 @@ def _rank(cluster: Cluster, name: str) -> layout.Rank:
     return next(r for r in cluster.ranks if r.name == name)
 
 
+def _start_and_route(cluster: Cluster, step: Step, say: Say) -> Step:
+    """The end of both steps: start the rank again, then a new router."""
+    start_rank(cluster, step.rank)
+    step.healthy_s = time.monotonic() - step.started
+    say(f"[rollout] {step.rank}: healthy again after {step.healthy_s:.1f} s")
+    restart_router(cluster)
+    step.routed_s = time.monotonic() - step.started
+    say(f"[rollout] router restarted; {step.rank} routed after {step.routed_s:.1f} s")
+    return step
+
+
 def roll_prefill(cluster: Cluster, name: str, say: Say = print) -> Step:
     """Crash prefill ``name`` and replace it (the module's prefill steps)."""
     rank = _rank(cluster, name)
@@ -165,13 +166,7 @@ def roll_prefill(cluster: Cluster, name: str, say: Say = print) -> Step:
     n = kill_rank(cluster, name)
     say(f"[rollout] {name}: SIGKILL to {n} process(es)")
     unroute(cluster, rank.url)
-    start_rank(cluster, name)
-    step.healthy_s = time.monotonic() - step.started
-    say(f"[rollout] {name}: healthy again after {step.healthy_s:.1f} s")
-    restart_router(cluster)
-    step.routed_s = time.monotonic() - step.started
-    say(f"[rollout] router restarted; {name} routed after {step.routed_s:.1f} s")
-    return step
+    return _start_and_route(cluster, step, say)
 
 
 def roll_decode(
@@ -184,13 +179,7 @@ def roll_decode(
     step.drained_s = drain(rank.url, drain_timeout)
     say(f"[rollout] {name}: out of the router, drained in {step.drained_s:.1f} s")
     Run(cluster.run_dir).stop_one(name)
-    start_rank(cluster, name)
-    step.healthy_s = time.monotonic() - step.started
-    say(f"[rollout] {name}: healthy again after {step.healthy_s:.1f} s")
-    restart_router(cluster)
-    step.routed_s = time.monotonic() - step.started
-    say(f"[rollout] router restarted; {name} routed after {step.routed_s:.1f} s")
-    return step
+    return _start_and_route(cluster, step, say)
 
 
 def roll(cluster: Cluster, names: Sequence[str], say: Say = print) -> list[Step]:
