@@ -482,6 +482,33 @@ def test_an_aborted_receive_gives_its_blocks_back() -> None:
     assert driver.num_free_blocks == driver.num_usable_blocks
 
 
+def test_time_with_nothing_to_do_is_no_spell_without_progress() -> None:
+    """An engine with no request does not step: the hour it sat idle is not
+    part of the next spell. A receive cut short (zero-token steps, then its
+    client gave up) and new receives an hour later must not make a healthy
+    rank report itself stuck on their first zero-token step; receives that
+    really hang still do, ``recv_deadline_s`` after they began."""
+    driver, clock = _decode(policy="fail", deadline=30.0)
+    side = driver.scheduler.wedge_guard
+    driver.add("X", 32, kv_transfer_params=pd_transfer(done_after=NEVER))
+    for _ in range(10):  # 10 s of zero-token steps, short of the deadline
+        clock.now += 1.0
+        driver.step()
+    driver.abort("X")
+    driver.step(finished_recving=["X"])  # its transfer ends: nothing left
+    assert not driver.scheduler.has_requests()
+    clock.now += 3600.0  # an hour without a request: the engine does not step
+    started = clock.now
+    _stranded_pair(driver)  # R1, R2 start receiving, C waits: no token yet
+    assert side.stats.stuck == 0
+    clock.now += 29.0
+    driver.step()
+    assert side.stats.stuck == 0
+    _run_until(driver, clock, lambda d: d.scheduler.wedge_guard.stats.stuck == 1)
+    assert side.stats.stuck == 1  # C waits behind the quarantined blocks
+    assert clock.now - started == 30.0
+
+
 # ---- 4. the property: no block under a live writer is ever reused ---------------
 NEVER_DONE = -1
 

@@ -175,7 +175,9 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         self, scheduler_output: SchedulerOutput, model_runner_output: Any
     ) -> Any:
         """Filter receive notices before vLLM reads ``failed_recving``, and
-        report loads a raising child never started (guard/containment.py)."""
+        report loads a raising child never started (guard/containment.py);
+        after vLLM's update, an engine left with no request ends its spell
+        without progress (it stops stepping until the next one arrives)."""
         kv_output = getattr(model_runner_output, "kv_connector_output", None)
         unstarted = self.wedge_guard.notices.pending
         carry_stats = self._needs_stats_carrier(kv_output)
@@ -191,6 +193,7 @@ class WedgeGuardMixin(Scheduler):  # type: ignore[misc]
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self._finished_mid_recv:
             self._finished_mid_recv &= self.requests.keys()
+        self.wedge_guard.note_if_idle()
         return outputs
 
     def _needs_stats_carrier(self, kv_output: KVConnectorOutput | None) -> bool:

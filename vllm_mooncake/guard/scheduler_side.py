@@ -169,9 +169,16 @@ class GuardSchedulerSide:
         self.stats.lateral_preemptions[key] += 1
 
     def before_stats_report(self) -> None:
-        """vLLM is about to read the stats: a stuck flag on an engine with
-        nothing left to do is cleared (it will not step again to say so)."""
-        if self.stats.stuck and not self.has_work():
+        """vLLM is about to read the stats: see :meth:`note_if_idle`."""
+        self.note_if_idle()
+
+    def note_if_idle(self) -> None:
+        """An engine with nothing left to do stops stepping: its spell
+        without progress ends here (a stuck flag comes down), or the idle
+        time until the next request would count as a step without progress
+        and a healthy rank would report itself stuck on that request's first
+        zero-token step (a receive starting)."""
+        if not self.has_work():
             self.watch.clear_stuck("no request left")
 
     def note_attempts_exhausted(self) -> None:
