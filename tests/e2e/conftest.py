@@ -25,13 +25,11 @@ from vllm_mooncake.tools.cluster import layout
 from vllm_mooncake.tools.cluster.client import complete
 from vllm_mooncake.tools.cluster.local import (
     Cluster,
-    down,
+    down_live,
     reference_server,
-    run_dir,
     running,
 )
 from vllm_mooncake.tools.cluster.local import free_base_port as local_free_base_port
-from vllm_mooncake.tools.cluster.procs import Run
 
 RUN = "e2e"
 # A decode pool of 5 blocks of 128 tokens (one is vLLM's null block): room
@@ -128,7 +126,6 @@ def cluster(
     # reference_outputs: the reference server has come and gone before this.
     style = str(request.param)
     run = f"{RUN}-{style}"
-    if Run(run_dir(run)).live():
-        down(run)  # a previous session's leftovers (e.g. a killed pytest)
+    down_live("e2e-")  # a previous session's leftovers (e.g. a killed pytest)
     with running(replace(spec, kv_style=style), run, timeout=900) as started:
         yield started

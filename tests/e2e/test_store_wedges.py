@@ -49,14 +49,12 @@ from vllm_mooncake.tools.cluster.client import (
 )
 from vllm_mooncake.tools.cluster.local import (
     Cluster,
-    down,
+    down_live,
     free_base_port,
     reference_server,
-    run_dir,
     running,
     stop_store_segment,
 )
-from vllm_mooncake.tools.cluster.procs import Run
 from vllm_mooncake.tools.cluster.real_wedges import (
     MAX_TOKENS,
     W1_DECODE_BLOCKS,
@@ -137,9 +135,7 @@ def reference(store_spec: layout.ClusterSpec) -> dict[tuple[int, ...], list[int]
 def store_cluster(
     store_spec: layout.ClusterSpec, reference: dict[tuple[int, ...], list[int]]
 ) -> Iterator[Cluster]:
-    for other in ("e2e-mooncake", "e2e-nixl", RUN):
-        if Run(run_dir(other)).live():
-            down(other)  # never two clusters at once on this machine
+    down_live("e2e-")  # never two clusters at once on this machine
     with running(store_spec, RUN, timeout=900) as started:
         yield started
 

@@ -407,6 +407,19 @@ def down(run: str = DEFAULT_RUN, timeout: float = 30.0) -> list[str]:
     return Run(run_dir(run)).stop(timeout)
 
 
+def down_live(prefix: str, timeout: float = 30.0) -> list[str]:
+    """Stop every run named ``prefix...`` that still has live processes (a
+    killed test session's leftovers hold the ports and the cores); return
+    the runs stopped."""
+    root = run_dir(prefix).parent
+    stopped = []
+    for rd in sorted(root.glob(f"{prefix}*")):
+        if rd.is_dir() and Run(rd).live():
+            Run(rd).stop(timeout)
+            stopped.append(rd.name)
+    return stopped
+
+
 def _clear_logs(rd: Path) -> None:
     logs = rd / "logs"
     if logs.is_dir():
