@@ -347,6 +347,24 @@ def test_store_mode_puts_the_store_first_next_to_one_p2d_child(kv_style: str) ->
     assert len(lookup_ports) == len(ranks)
 
 
+@pytest.mark.parametrize(
+    ("kv_style", "first", "want"),
+    [
+        ("nixl", False, ["MooncakeConnector", "NixlConnector"]),
+        ("nixl", True, ["NixlConnector", "MooncakeConnector"]),
+        ("mooncake", True, ["MooncakeConnector", "NixlConnector"]),
+    ],
+)
+def test_style_child_first_orders_the_p2d_children(
+    kv_style: str, first: bool, want: list[str]
+) -> None:
+    spec = ClusterSpec(kv_style=kv_style, style_child_first=first)
+    for rank in _by_name(spec).values():
+        cfg = layout.kv_transfer_config(spec, rank, cpu=True)
+        children = cfg["kv_connector_extra_config"]["connectors"]
+        assert [c["kv_connector"] for c in children] == want
+
+
 def test_stock_ranks_run_vllms_multiconnector_over_the_same_children() -> None:
     spec = ClusterSpec(
         shape="1p3d",

@@ -86,6 +86,8 @@ def _spec(kv_style: str) -> layout.ClusterSpec:
         decode_blocks=6,
         guard_extra={"recv_deadline_s": DEADLINE_S, "sender_probe_s": PROBE_S},
         rank_connectors={"decode-0": "stock"},
+        # stock serves NIXL-style requests only with NIXL as its first child
+        style_child_first=True,
     )
     return replace(spec, base_port=free_base_port(spec))
 

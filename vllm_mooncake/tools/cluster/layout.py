@@ -209,6 +209,12 @@ class ClusterSpec:
     # rank names the router leaves out: reached only by hand (e.g. a stock
     # decode kept to show a wedge side by side with a guarded one)
     unrouted: tuple[str, ...] = ()
+    # Without the store: the ``kv_style`` P->D child first. Stock
+    # MultiConnector gives a load to the first child that claims tokens,
+    # and MooncakeConnector claims NIXL-style requests too (then waits for
+    # a push that never comes), so a stock rank serves NIXL-style requests
+    # only with NIXL first. The guard routes by the request's params.
+    style_child_first: bool = False
 
     def __post_init__(self) -> None:
         if self.shape not in SHAPES:
@@ -380,7 +386,8 @@ def kv_transfer_config(spec: ClusterSpec, rank: Rank, cpu: bool) -> dict[str, An
 
 
 def _children(spec: ClusterSpec, rank: Rank, cpu: bool) -> list[dict[str, Any]]:
-    """[Mooncake, NIXL]; in store mode [store, the ``kv_style`` P->D child]."""
+    """[Mooncake, NIXL] (``style_child_first``: the ``kv_style`` one first);
+    in store mode [store, the ``kv_style`` P->D child]."""
     mooncake_extra: dict[str, Any] = {"mooncake_protocol": mooncake_protocol(spec, cpu)}
     if rank.bootstrap_port is not None and spec.external_bootstrap:
         mooncake_extra["bootstrap_server_address"] = f"{HOST}:{rank.bootstrap_port}"
@@ -393,6 +400,8 @@ def _children(spec: ClusterSpec, rank: Rank, cpu: bool) -> list[dict[str, Any]]:
     if cpu:
         nixl["kv_buffer_device"] = "cpu"  # the only value vLLM's CPU platform allows
     if not spec.store:
+        if spec.style_child_first and spec.kv_style == "nixl":
+            return [nixl, mooncake]
         return [mooncake, nixl]
     store = {
         "kv_connector": STORE_CONNECTOR,
