@@ -60,12 +60,15 @@ down:
 
 # Three sessions, one cluster at a time: the KV-style 1P2Ds, the store-mode
 # 1P3D that forms W1 and W2 on real servers (tests/e2e/test_store_wedges.py),
-# and a 1P2D whose prefill goes silent, then dies (tests/e2e/test_dead_prefill.py).
+# and a 1P2D whose prefill goes silent, then dies, once per P->D style
+# (tests/e2e/test_dead_prefill.py). The first session ends with a prefill
+# crashed under traffic and replaced (tests/e2e/test_rank_replacement.py).
 STORE_E2E := tests/e2e/test_store_wedges.py
 DEAD_E2E := tests/e2e/test_dead_prefill.py
-# A rolling restart of a guarded 2P2D under load: its own target, not yet in
-# `make e2e` (a replaced rank takes 2-5 minutes to start on 2 shared cores;
-# docs/runbook.md, "Rolling restarts, measured").
+# A rolling restart of a guarded 2P2D under load: its own target, sampled in
+# `make e2e` by the rank replacement above (a replaced rank takes 2-10
+# minutes to start here under load; docs/runbook.md, "Rolling restarts,
+# measured").
 ROLLING_E2E := tests/e2e/test_rolling_restart.py
 e2e: setup-e2e
 	$(PY) -m pytest -m e2e -v -p no:cacheprovider tests/e2e --ignore=$(STORE_E2E) \
