@@ -108,16 +108,12 @@ def dead_spec(request: pytest.FixtureRequest) -> layout.ClusterSpec:
     return _spec(request.param)
 
 
-def _run(spec: layout.ClusterSpec) -> str:
-    return f"{RUN}-{spec.kv_style}"
-
-
 @pytest.fixture(scope="module")
 def dead_cluster(
     dead_spec: layout.ClusterSpec, c_reference: list[int]
 ) -> Iterator[Cluster]:
     down_live("e2e-")  # any e2e cluster left running, this one's included
-    with running(dead_spec, _run(dead_spec), timeout=900) as started:
+    with running(dead_spec, f"{RUN}-{dead_spec.kv_style}", timeout=900) as started:
         yield started
 
 

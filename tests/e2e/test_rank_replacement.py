@@ -27,16 +27,15 @@ quarantined on a decode. Runs last in its cluster (it replaces ranks).
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
 import pytest
 
 from vllm_mooncake.tools.cluster.client import (
-    get_text,
     metric_total,
     pd_complete_mooncake,
+    prefill_engine_id,
     scrape,
 )
 from vllm_mooncake.tools.cluster.local import Cluster
@@ -52,11 +51,6 @@ PROMPT_TOKENS = "vllm:prompt_tokens_by_source_total"
 DEADLINE_S = 120.0  # the guard's default recv_deadline_s
 HANG_BOUND_S = DEADLINE_S + 10
 PROBE = [1] + [3 + (i * 53) % 420 for i in range(149)]
-
-
-def _engine_id(cluster: Cluster) -> str:
-    entries = json.loads(get_text(f"{cluster.bootstrap_urls[0]}/query"))
-    return str(entries["0"]["engine_id"])
 
 
 def _under_traffic(cluster: Cluster, steps: Any) -> tuple[list[Outcome], list[Step]]:
@@ -129,7 +123,7 @@ def test_a_prefill_crashed_under_traffic_ends_every_request_and_serves_again(
     if cluster.spec.kv_style != "mooncake":
         # CI's budget (the module docstring).
         pytest.skip("sampled on the Mooncake-style cluster only")
-    before = _engine_id(cluster)
+    before = prefill_engine_id(cluster.bootstrap_urls[0])
 
     def replace_ranks(c: Cluster) -> list[Step]:
         return [roll_prefill(c, "prefill-0")]
@@ -144,7 +138,7 @@ def test_a_prefill_crashed_under_traffic_ends_every_request_and_serves_again(
         f"{sum(1 for o in outcomes if o.error)} failed, "
         f"longest {max(o.seconds for o in outcomes):.1f} s"
     )
-    after = _engine_id(cluster)
+    after = prefill_engine_id(cluster.bootstrap_urls[0])
     assert after != before, "the bootstrap still names the dead prefill"
     log = cluster.log("bootstrap-0").read_text(errors="replace")
     assert "Engine ID mismatch" not in log

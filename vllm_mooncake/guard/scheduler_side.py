@@ -169,8 +169,12 @@ class GuardSchedulerSide:
         self.stats.lateral_preemptions[key] += 1
 
     def before_stats_report(self) -> None:
-        """vLLM is about to read the stats: see :meth:`note_if_idle`."""
-        self.note_if_idle()
+        """vLLM is about to read the stats: a stuck flag on an engine with
+        nothing left to do comes down in this report (it will not step
+        again to say so). The spell itself ends after every update
+        (:meth:`note_if_idle`), whether vLLM asks for stats or not."""
+        if self.stats.stuck:
+            self.note_if_idle()
 
     def note_if_idle(self) -> None:
         """An engine with nothing left to do stops stepping: its spell

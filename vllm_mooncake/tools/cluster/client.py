@@ -178,14 +178,20 @@ def pd_complete_nixl(
     )
 
 
+def prefill_engine_id(bootstrap_url: str) -> str:
+    """The engine id the prefill (data-parallel rank 0) registered on its
+    Mooncake bootstrap server, read now."""
+    engines = json.loads(get_text(f"{bootstrap_url}/query"))
+    return str(engines["0"]["engine_id"])
+
+
 def mooncake_legs(bootstrap_url: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """The ``kv_transfer_params`` of a Mooncake-style PD request's two legs,
     as vllm-router sends them: (prefill leg, decode leg), one transfer id.
     The prefill's engine id is read from its bootstrap server now."""
     import uuid
 
-    engines = json.loads(get_text(f"{bootstrap_url}/query"))
-    engine_id = engines["0"]["engine_id"]
+    engine_id = prefill_engine_id(bootstrap_url)
     transfer_id = f"xfer-{uuid.uuid4()}"
     prefill = {
         "do_remote_decode": True,

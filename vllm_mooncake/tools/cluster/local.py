@@ -414,8 +414,9 @@ def down_live(prefix: str, timeout: float = 30.0) -> list[str]:
     root = run_dir(prefix).parent
     stopped = []
     for rd in sorted(root.glob(f"{prefix}*")):
-        if rd.is_dir() and Run(rd).live():
-            Run(rd).stop(timeout)
+        run = Run(rd) if rd.is_dir() else None
+        if run is not None and run.live():
+            run.stop(timeout)
             stopped.append(rd.name)
     return stopped
 
