@@ -12,7 +12,9 @@ requests served and failed, the longest request, the decodes' tokens per
 second before and after, how long after the last router restart every
 request was served again, and which ranks still answer ``/health`` (stock's
 API server can die on its Prometheus ``observe`` assert when Mooncake fails
-a pull). Each side's figures are saved as JSON under ``--out``. ::
+a pull). A rollout that stops (a replaced rank not healthy within
+``--start-timeout``) keeps the figures of the load so far and says why.
+Each side's figures are saved as JSON under ``--out``. ::
 
     python bench/rolling_restart.py                       # guard, then stock
     python bench/rolling_restart.py --connectors stock    # one side only
@@ -38,6 +40,7 @@ from _util import machine, table
 from vllm_mooncake.offline import cache_dir
 from vllm_mooncake.tools.cluster import layout, local
 from vllm_mooncake.tools.cluster.procs import http_ok
+from vllm_mooncake.tools.cluster.rollout import START_TIMEOUT_S
 from vllm_mooncake.tools.cluster.rollout_load import under_load
 
 SIDES = ("guard", "stock")
@@ -71,7 +74,11 @@ def side_spec(side: str, base_port: int | None) -> layout.ClusterSpec:
 
 
 def run_side(
-    side: str, ranks: Sequence[str], out: Path, base_port: int | None
+    side: str,
+    ranks: Sequence[str],
+    out: Path,
+    base_port: int | None,
+    start_timeout: float,
 ) -> dict[str, Any]:
     """One side: a fresh cluster, the rollout under load, its figures."""
     spec = side_spec(side, base_port)
@@ -80,7 +87,14 @@ def run_side(
     figures: dict[str, Any] = {"side": side}
     with local.running(spec, run, timeout=1200) as cluster:
         try:
-            load = under_load(cluster, ranks, out / side, prompt=PROMPT, tail_s=60.0)
+            load = under_load(
+                cluster,
+                ranks,
+                out / side,
+                prompt=PROMPT,
+                tail_s=60.0,
+                start_timeout=start_timeout,
+            )
             figures.update(load.summary())
         except Exception as exc:  # a side that breaks is a result too
             figures["error"] = f"{type(exc).__name__}: {exc}"[:500]
@@ -98,6 +112,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", type=Path, default=cache_dir() / "bench" / "rolling")
     p.add_argument("--base-port", type=int, default=None)
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=START_TIMEOUT_S,
+        help="seconds a replaced rank may take to answer /health (default "
+        f"{START_TIMEOUT_S:.0f}; a loaded 2-core host has needed 2-10 minutes)",
+    )
     return p
 
 
@@ -115,7 +136,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for side in sides:
         t0 = time.monotonic()
         print(f"[bench] {side}: 2P2D, replacing {', '.join(ranks)}")
-        results.append(run_side(side, ranks, args.out, args.base_port))
+        results.append(
+            run_side(side, ranks, args.out, args.base_port, args.start_timeout)
+        )
         print(f"[bench] {side}: done in {time.monotonic() - t0:.0f} s")
     rows = [[label, *(r.get(key, "-") for r in results)] for key, label in ROWS]
     print(table(["", *sides], rows))

@@ -55,6 +55,9 @@ from vllm_mooncake.tools.cluster.local import Cluster, attach, base_env, start_r
 from vllm_mooncake.tools.cluster.procs import Run, StartupError
 
 ROUTER = "router"
+# How long a replaced rank may take to answer /health again: the launcher's
+# start-up bound. A loaded 2-core host has taken 2-10 minutes.
+START_TIMEOUT_S = 600.0
 Say = Callable[[str], None]
 
 
@@ -148,9 +151,11 @@ def _rank(cluster: Cluster, name: str) -> layout.Rank:
     return next(r for r in cluster.ranks if r.name == name)
 
 
-def _start_and_route(cluster: Cluster, step: Step, say: Say) -> Step:
+def _start_and_route(
+    cluster: Cluster, step: Step, say: Say, start_timeout: float
+) -> Step:
     """The end of both steps: start the rank again, then a new router."""
-    start_rank(cluster, step.rank)
+    start_rank(cluster, step.rank, timeout=start_timeout)
     step.healthy_s = time.monotonic() - step.started
     say(f"[rollout] {step.rank}: healthy again after {step.healthy_s:.1f} s")
     restart_router(cluster)
@@ -159,18 +164,27 @@ def _start_and_route(cluster: Cluster, step: Step, say: Say) -> Step:
     return step
 
 
-def roll_prefill(cluster: Cluster, name: str, say: Say = print) -> Step:
+def roll_prefill(
+    cluster: Cluster,
+    name: str,
+    say: Say = print,
+    start_timeout: float = START_TIMEOUT_S,
+) -> Step:
     """Crash prefill ``name`` and replace it (the module's prefill steps)."""
     rank = _rank(cluster, name)
     step = Step(name, "crash", time.monotonic())
     n = kill_rank(cluster, name)
     say(f"[rollout] {name}: SIGKILL to {n} process(es)")
     unroute(cluster, rank.url)
-    return _start_and_route(cluster, step, say)
+    return _start_and_route(cluster, step, say, start_timeout)
 
 
 def roll_decode(
-    cluster: Cluster, name: str, say: Say = print, drain_timeout: float = 600.0
+    cluster: Cluster,
+    name: str,
+    say: Say = print,
+    start_timeout: float = START_TIMEOUT_S,
+    drain_timeout: float = 600.0,
 ) -> Step:
     """Drain decode ``name``, stop it and replace it (the module's decode steps)."""
     rank = _rank(cluster, name)
@@ -179,17 +193,32 @@ def roll_decode(
     step.drained_s = drain(rank.url, drain_timeout)
     say(f"[rollout] {name}: out of the router, drained in {step.drained_s:.1f} s")
     Run(cluster.run_dir).stop_one(name)
-    return _start_and_route(cluster, step, say)
+    return _start_and_route(cluster, step, say, start_timeout)
 
 
-def roll(cluster: Cluster, names: Sequence[str], say: Say = print) -> list[Step]:
-    """Replace ranks ``names`` in turn (prefills crashed, decodes drained)."""
-    steps = []
+def rolling(
+    cluster: Cluster,
+    names: Sequence[str],
+    say: Say = print,
+    start_timeout: float = START_TIMEOUT_S,
+) -> Iterator[Step]:
+    """Replace ranks ``names`` in turn (prefills crashed, decodes drained),
+    yielding each step once it is done: a caller that collects them keeps
+    the finished steps when a later one raises."""
     for name in names:
         role = _rank(cluster, name).role
         step = roll_prefill if role == "prefill" else roll_decode
-        steps.append(step(cluster, name, say))
-    return steps
+        yield step(cluster, name, say, start_timeout)
+
+
+def roll(
+    cluster: Cluster,
+    names: Sequence[str],
+    say: Say = print,
+    start_timeout: float = START_TIMEOUT_S,
+) -> list[Step]:
+    """Every step of :func:`rolling`."""
+    return list(rolling(cluster, names, say, start_timeout))
 
 
 def every_rank(cluster: Cluster) -> list[str]:

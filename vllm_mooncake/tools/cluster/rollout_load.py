@@ -12,11 +12,12 @@
   starts again from 0);
 
 first for ``baseline_s`` (the pre-restart level), then while
-:func:`~vllm_mooncake.tools.cluster.rollout.roll` replaces the given ranks,
-then for ``tail_s`` more. :class:`LoadRun` holds the record and the figures
-read from it: requests per outcome, the longest request, and how long after
-the last router restart the probe's requests were all served again (the
-recovery). ``tests/e2e/test_rolling_restart.py`` checks them; run with
+:func:`~vllm_mooncake.tools.cluster.rollout.rolling` replaces the given
+ranks, then for ``tail_s`` more. :class:`LoadRun` holds the record and the
+figures read from it (a rollout that raises keeps its finished steps, the
+load so far and the error): requests per outcome, the longest request,
+and how long after the last router restart the probe's requests were all
+served again (the recovery). ``tests/e2e/test_rolling_restart.py`` checks them; run with
 ``connector="stock"`` in the spec, the same harness measures stock.
 """
 
@@ -35,7 +36,14 @@ from typing import Any
 from vllm_mooncake.tools import vllm_cli
 from vllm_mooncake.tools.cluster.client import metric_total, scrape
 from vllm_mooncake.tools.cluster.local import Cluster
-from vllm_mooncake.tools.cluster.rollout import Outcome, Say, Step, Traffic, roll
+from vllm_mooncake.tools.cluster.rollout import (
+    START_TIMEOUT_S,
+    Outcome,
+    Say,
+    Step,
+    Traffic,
+    rolling,
+)
 
 GENERATED = "vllm:generation_tokens_total"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
@@ -188,6 +196,8 @@ class LoadRun:
     bench: BenchRounds
     # Prompt tokens each prefill computed in the tail (after the rollout).
     tail_prefill_tokens: dict[str, float] = field(default_factory=dict)
+    # Why the rollout stopped before its last step (None: every step done).
+    error: str | None = None
 
     def baseline_rate(self) -> float:
         return self.tokens.rate(self.t0, self.rollout_start)
@@ -235,6 +245,7 @@ class LoadRun:
             "tail_prefill_tokens": self.tail_prefill_tokens,
             "rollout_s": round(self.rollout_end - self.rollout_start, 1),
             "steps": [s.line() for s in self.steps],
+            **({"error": self.error} if self.error else {}),
         }
 
 
@@ -250,6 +261,7 @@ def under_load(
     baseline_s: float = 30.0,
     tail_s: float = 40.0,
     request_timeout: float = 900.0,
+    start_timeout: float = START_TIMEOUT_S,
     say: Say = print,
 ) -> LoadRun:
     """Replace ``names`` in turn under load; see the module docstring."""
@@ -264,7 +276,13 @@ def under_load(
     with traffic.running():
         time.sleep(baseline_s)
         rollout_start = time.monotonic()
-        steps = roll(cluster, names, say)
+        steps: list[Step] = []
+        error = None
+        try:
+            steps.extend(rolling(cluster, names, say, start_timeout))
+        except Exception as exc:  # the steps done and the load so far are kept
+            error = f"{type(exc).__name__}: {exc}"[:500]
+            say(f"[load] rollout stopped after {len(steps)} step(s): {error}")
         rollout_end = time.monotonic()
         before = prompt_tokens(cluster.prefill_urls)
         time.sleep(tail_s)
@@ -277,7 +295,15 @@ def under_load(
         say(f"[load] {len(still)} probe request(s) still waiting")
     tail = {url: after[url] - before[url] for url in after}
     return LoadRun(
-        t0, rollout_start, rollout_end, steps, traffic.outcomes, tokens, bench, tail
+        t0,
+        rollout_start,
+        rollout_end,
+        steps,
+        traffic.outcomes,
+        tokens,
+        bench,
+        tail,
+        error,
     )
 
 
