@@ -315,6 +315,22 @@ def test_a_remote_prefill_with_only_null_keys_is_unroutable() -> None:
         PD_ROUTER.owner_for(params)
 
 
+def test_an_unroutable_request_is_told_each_childs_keys_and_the_fix() -> None:
+    """The error names the field, what each configured child would claim,
+    what the request carried, and the two ways out."""
+    with pytest.raises(UnroutableRequest) as caught:
+        PD_ROUTER.owner_for({"do_remote_prefill": True, "remote_host": "h"})
+    message = str(caught.value)
+    assert message.startswith("kv_transfer_params asks for a remote prefill")
+    for name, keys in zip(PD_ROUTER.names, PD_ROUTER.claims, strict=True):
+        assert f"'{name}': {sorted(keys)!r}" in message
+    assert "got keys ['do_remote_prefill', 'remote_host']" in message
+    assert message.endswith(
+        "Route the request with the params of a configured child, "
+        "or add that child to 'connectors'."
+    )
+
+
 def test_mooncake_request_with_a_null_nixl_key_goes_to_mooncake() -> None:
     """vLLM's real NixlConnector and MooncakeConnector as the guard's
     children on a decode rank. A proxy that sends Mooncake's keys plus
