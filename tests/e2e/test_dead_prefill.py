@@ -6,9 +6,9 @@ decode reads over UCX on loopback). One prefill, decode-0 with vLLM's own
 MultiConnector, decode-1 with the guard (``recv_deadline_s`` 60,
 ``sender_probe_s`` 2), vLLM's default ``kv_load_failure_policy`` (fail),
 6 KV blocks of 128 tokens per decode. Each decode first serves one PD
-request from the prefill (untimed: a server's first request is slow to
-reach its engine here, and NIXL-style it is the handshake). Then, on each
-decode:
+request from the prefill (untimed: without it, a decode's gauges here
+sometimes stayed at 0 for over a minute while its first receives were in
+flight; NIXL-style it is also the handshake). Then, on each decode:
 
 1. R1 and R2 (200 tokens, 2 blocks each) arrive as P->D requests naming the
    prefill, whose KV never comes: Mooncake-style, the prefill never got
@@ -201,8 +201,9 @@ def _guard_receiving(cluster: Cluster) -> None:
 
 def _warm_up(cluster: Cluster) -> None:
     """One PD request from the prefill through each decode, before anything
-    is timed. A server's first request is slow to reach its engine on 2
-    shared cores (over a minute seen, the gauges at 0 meanwhile), and a
+    is timed. Without it, on 2 shared cores, a decode's gauges sometimes
+    stayed at 0 for over a minute while its first receives were in flight
+    in its engine (bench/RESULTS.md; why is not established). And a
     NIXL-style decode reads only from a prefill it has handshaken with
     (vLLM bounds a handshake by 5 s)."""
     prefill = cluster.prefill_urls[0]
