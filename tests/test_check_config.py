@@ -304,3 +304,52 @@ def test_the_module_runs_as_a_command(tmp_path: Path) -> None:
     )  # fmt: skip
     assert bad.returncode == 1
     assert "error: kv_transfer_config.kv_connector: 1 is not the guard" in bad.stderr
+
+
+# ---- whole messages of a bad child ---------------------------------------------
+def _registered() -> str:
+    """vLLM's registered connector names, as the message lists them."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    return ", ".join(sorted(KVConnectorFactory._registry))
+
+
+def test_an_unknown_child_gets_the_close_name_every_name_and_the_other_way() -> None:
+    error = check_kv_transfer_config(
+        _with_children({"kv_connector": "NixlConector", "kv_role": "kv_both"})
+    )
+    assert error == (
+        f"kv_transfer_config.{CHILDREN}[0].kv_connector: 'NixlConector' is not "
+        "a connector vLLM knows; did you mean 'NixlConnector'? use a registered name "
+        f"({_registered()}) or set kv_connector_module_path to the module "
+        "that defines it"
+    )
+
+
+def test_an_unknown_child_with_no_close_name_gets_no_guess() -> None:
+    error = check_kv_transfer_config(
+        _with_children({"kv_connector": "Zq", "kv_role": "kv_both"})
+    )
+    assert error is not None
+    assert "did you mean" not in error
+    assert "'Zq' is not a connector vLLM knows; use a registered name (" in error
+
+
+@pytest.mark.parametrize(
+    "child",
+    [
+        {"kv_connector": "WedgeGuardConnector", "kv_role": "kv_both"},
+        {
+            "kv_connector": "AnyName",
+            "kv_connector_module_path": "vllm_mooncake.guard.connector",
+            "kv_role": "kv_both",
+        },
+    ],
+    ids=["by-name", "by-module-path"],
+)
+def test_the_guard_as_its_own_child_is_told_what_to_list(child: dict[str, Any]) -> None:
+    assert check_kv_transfer_config(_with_children(child)) == (
+        f"kv_transfer_config.{CHILDREN}[0].kv_connector: the guard cannot be "
+        "its own child; list the transports it wraps, e.g. MooncakeConnector "
+        "and NixlConnector"
+    )
