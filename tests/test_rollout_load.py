@@ -114,6 +114,8 @@ def test_every_step_gets_the_start_timeout(monkeypatch: pytest.MonkeyPatch) -> N
             SimpleNamespace(name="decode-0", role="decode"),
         ]
     )
-    steps = rollout.roll(cluster, ["prefill-0", "decode-0"], start_timeout=900.0)
+    steps = list(
+        rollout.rolling(cluster, ["prefill-0", "decode-0"], start_timeout=900.0)
+    )
     assert [s.rank for s in steps] == ["prefill-0", "decode-0"]
     assert seen == [("prefill-0", 900.0), ("decode-0", 900.0)]

@@ -414,8 +414,10 @@ def down_live(prefix: str, timeout: float = 30.0) -> list[str]:
     root = run_dir(prefix).parent
     stopped = []
     for rd in sorted(root.glob(f"{prefix}*")):
-        run = Run(rd) if rd.is_dir() else None
-        if run is not None and run.live():
+        if not rd.is_dir():
+            continue
+        run = Run(rd)
+        if run.live():
             run.stop(timeout)
             stopped.append(rd.name)
     return stopped

@@ -211,16 +211,6 @@ def rolling(
         yield step(cluster, name, say, start_timeout)
 
 
-def roll(
-    cluster: Cluster,
-    names: Sequence[str],
-    say: Say = print,
-    start_timeout: float = START_TIMEOUT_S,
-) -> list[Step]:
-    """Every step of :func:`rolling`."""
-    return list(rolling(cluster, names, say, start_timeout))
-
-
 def every_rank(cluster: Cluster) -> list[str]:
     """Every prefill, then every decode: the order of a fleet rollout."""
     prefills = [r.name for r in cluster.ranks if r.role == "prefill"]
@@ -318,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"unknown rank(s) {unknown}; run {args.run!r} has {known}")
         return 2
     try:
-        steps = roll(cluster, names)
+        steps = list(rolling(cluster, names))
     except (StartupError, TimeoutError, urllib.error.URLError) as exc:
         print(f"[rollout] failed: {exc}", file=sys.stderr)
         return 1
