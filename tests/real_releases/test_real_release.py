@@ -23,6 +23,7 @@ the store is Mooncake's, the model a tiny random Llama.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -50,6 +51,7 @@ from vllm_mooncake.tools.cluster.local import (
     Cluster,
     down,
     free_base_port,
+    paused_store_segment,
     reference_server,
     run_dir,
     running,
@@ -89,7 +91,8 @@ PROMPTS: tuple[str | list[int], ...] = (
     token_prompt(129, 3),
     token_prompt(300, 4),
 )
-# Fresh prompts per try (the seed's forming is a race on a real server).
+# Fresh prompts per try: W1's forming is a race on a real server (the seed's
+# is not: form_seed holds the store's loads while it admits both requests).
 TRIES = 4
 
 
@@ -352,7 +355,8 @@ def _form_until(
     for k in range(TRIES):
         prompts = release.wedge.prompts(decode * TRIES + k)
         if isinstance(prompts, SeedPrompts):
-            run = form_seed(p, d, boot, metrics, prompts, hold, hold + 10)
+            pause = functools.partial(paused_store_segment, cluster)
+            run = form_seed(p, d, boot, metrics, prompts, hold, hold + 10, pause)
         else:
             run = form_w1(p, d, boot, metrics, prompts, hold, hold + 10)
         if formed(run):

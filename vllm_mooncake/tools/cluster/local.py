@@ -333,6 +333,15 @@ def stop_store_segment(cluster: Cluster, timeout: float = 30.0) -> list[str]:
     return Run(cluster.run_dir).stop_one(STORE_SEGMENT, timeout)
 
 
+def paused_store_segment(
+    cluster: Cluster,
+) -> contextlib.AbstractContextManager[list[int]]:
+    """Freeze the store's segment owner for a ``with`` block: a store load
+    started meanwhile cannot complete until the block ends (the KV it reads
+    lives in that process), and nothing the store holds is lost."""
+    return Run(cluster.run_dir).paused(STORE_SEGMENT)
+
+
 @contextlib.contextmanager
 def running(spec: ClusterSpec, run: str, timeout: float = 600.0) -> Iterator[Cluster]:
     """``up``, yield the cluster, stop it; raise if any process it started

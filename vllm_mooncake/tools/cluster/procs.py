@@ -22,7 +22,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -221,6 +221,24 @@ class Run:
             _signal(pid, signal.SIGKILL)
             report.append(f"{name}: SIGKILL to {pid}")
         return report
+
+    @contextlib.contextmanager
+    def paused(self, name: str) -> Iterator[list[int]]:
+        """Freeze the recorded process ``name`` and everything of its session
+        (SIGSTOP) for the ``with`` block, then let it go on (SIGCONT, also
+        when the block raises). Its sockets stay open: a peer's connection is
+        still accepted by the kernel, and waits."""
+        named = [p for p in self.procs if p.name == name]
+        if not named:
+            raise KeyError(f"no process {name!r} recorded in {self.state_path}")
+        members = named[-1].members()
+        for pid in members:
+            _signal(pid, signal.SIGSTOP)
+        try:
+            yield members
+        finally:
+            for pid in members:
+                _signal(pid, signal.SIGCONT)
 
     def stop(self, timeout: float = 30.0) -> list[str]:
         """SIGTERM every process of every recorded session, SIGKILL stragglers.

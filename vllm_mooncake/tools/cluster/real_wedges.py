@@ -41,9 +41,9 @@ default scheduler config), on a decode pool of :data:`SEED_DECODE_BLOCKS`:
    admission loop breaks on it; B's prefill leg is sent and B's receive
    completes. B needs no block to run but sits behind A.
 
-Whether B arrives before A's load ends is a race on a real server (the load
-takes milliseconds): :func:`form_seed` reports what happened, and the tests
-try fresh prompts until the wedge forms (or the guard acts).
+Whether B arrives before A's load ends would be a race on a real server (the
+load takes milliseconds): :func:`form_seed` freezes the store's segment owner
+while both are admitted, so A's load ends only after B holds its blocks.
 
 The head-of-line wedge is not formed here: on stock servers over [store,
 P->D] the store's deferred lookup defers the holder as well, so the layout
@@ -68,6 +68,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -321,19 +322,29 @@ def form_seed(
     prompts: SeedPrompts,
     hold_s: float,
     request_timeout: float,
+    hold_store_loads: Callable[[], AbstractContextManager[object]],
     load_s: float = 1.0,
 ) -> WedgeRun:
     """Drive ``decode_url`` into the seed (module docstring) and watch it.
 
-    A and B's decode leg go out together; ``load_s`` later (A's store load
-    takes milliseconds) B's prefill leg is sent.
+    On a real server A's store load takes milliseconds, so B would rarely be
+    admitted before it ends. ``hold_store_loads`` makes the order certain: it
+    freezes the store's segment owner
+    (:func:`vllm_mooncake.tools.cluster.local.paused_store_segment`) while A
+    is admitted and starts its load, and B's decode leg is admitted next to
+    it. Once the store runs again A's load completes; ``load_s`` later B's
+    prefill leg is sent, so B's receive completes after A's load.
     """
     seed_store(prefill_url, prompts.seed, store_metrics_url)
     legs = PDLegs(prefill_url, decode_url, bootstrap_url, request_timeout)
     before = scrape(decode_url)
+    waiting0 = metric_total(before, WAITING)
     prefill_params, decode_params = mooncake_legs(bootstrap_url)
-    head = legs.send(decode_url, prompts.head, MAX_TOKENS, 0, None)
-    holder = legs.send(decode_url, prompts.holder, MAX_TOKENS, 0, decode_params)
+    with hold_store_loads():
+        head = legs.send(decode_url, prompts.head, MAX_TOKENS, 0, None)
+        _wait_waiting(decode_url, waiting0 + 1, "A waits for its store load")
+        holder = legs.send(decode_url, prompts.holder, MAX_TOKENS, 0, decode_params)
+        _wait_waiting(decode_url, waiting0 + 2, "B waits for its P->D receive")
     time.sleep(load_s)
     prefill_leg = legs.send(prefill_url, prompts.holder, 1, 0, prefill_params)
     return _watch(
@@ -344,6 +355,10 @@ def form_seed(
         before,
         hold_s,
     )
+
+
+def _wait_waiting(decode_url: str, n: float, what: str) -> None:
+    wait_for(what, lambda: DecodeState.of(decode_url).waiting >= n, timeout=30)
 
 
 @dataclass(frozen=True)
