@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, replace
 
 import pytest
@@ -26,7 +27,7 @@ from vllm_mooncake.tools.cluster.client import complete
 from vllm_mooncake.tools.cluster.local import (
     Cluster,
     down_live,
-    reference_server,
+    reference_beside,
     running,
 )
 from vllm_mooncake.tools.cluster.local import free_base_port as local_free_base_port
@@ -102,30 +103,44 @@ def spec() -> layout.ClusterSpec:
     )
 
 
-@pytest.fixture(scope="session")
-def reference_outputs(spec: layout.ClusterSpec) -> list[Reference]:
-    """Greedy outputs of a plain single server for :data:`PROMPTS`."""
-    with reference_server(spec, run=f"{RUN}-reference") as url:
-        outs = [complete(url, p, MAX_TOKENS) for p in PROMPTS]
+REFERENCE_RUN = f"{RUN}-reference"
+
+
+def _references(url: str) -> list[Reference]:
+    outs = [complete(url, p, MAX_TOKENS) for p in PROMPTS]
     return [
         Reference(p, o.token_ids, int(o.raw["usage"]["prompt_tokens"]))
         for p, o in zip(PROMPTS, outs, strict=True)
     ]
 
 
+@pytest.fixture(scope="session")
+def reference_started(spec: layout.ClusterSpec) -> Future[list[Reference]]:
+    """The reference server, started beside the first cluster."""
+    down_live("e2e-")  # a previous session's leftovers (e.g. a killed pytest)
+    return reference_beside(spec, REFERENCE_RUN, _references)
+
+
+@pytest.fixture(scope="session")
+def reference_outputs(reference_started: Future[list[Reference]]) -> list[Reference]:
+    """Greedy outputs of a plain single server for :data:`PROMPTS`."""
+    return reference_started.result(timeout=900)
+
+
 @pytest.fixture(scope="session", params=layout.KV_STYLES)
 def cluster(
     request: pytest.FixtureRequest,
     spec: layout.ClusterSpec,
-    reference_outputs: list[Reference],
+    reference_started: Future[list[Reference]],
 ) -> Iterator[Cluster]:
     """The cluster, once per KV style: ``mooncake`` (the prefill's KV moves
     over Mooncake's transfer engine) and ``nixl`` (over NIXL/UCX).
     Session-scoped, so pytest runs every test of a style, in every module,
     stops that cluster, then starts the next."""
-    # reference_outputs: the reference server has come and gone before this.
+    # reference_started: the reference server starts beside the first one.
     style = str(request.param)
     run = f"{RUN}-{style}"
-    down_live("e2e-")  # a previous session's leftovers (e.g. a killed pytest)
+    down_live("e2e-", spare=[REFERENCE_RUN])  # the previous style's cluster
     with running(replace(spec, kv_style=style), run, timeout=900) as started:
+        wait([reference_started], timeout=900)  # gone before any test runs
         yield started

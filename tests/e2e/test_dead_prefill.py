@@ -42,7 +42,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from typing import Any
 
@@ -64,7 +64,7 @@ from vllm_mooncake.tools.cluster.local import (
     Cluster,
     down_live,
     free_base_port,
-    reference_server,
+    reference_beside,
     running,
 )
 from vllm_mooncake.tools.cluster.procs import Run
@@ -100,11 +100,24 @@ def _spec(kv_style: str) -> layout.ClusterSpec:
     return replace(spec, base_port=free_base_port(spec))
 
 
+REFERENCE_RUN = f"{RUN}-reference"
+
+
 @pytest.fixture(scope="module")
-def c_reference() -> list[int]:
-    """C's tokens from a plain server (the same model for both styles)."""
-    with reference_server(_spec("mooncake"), run=f"{RUN}-reference") as url:
-        return complete(url, C_PROMPT, MAX_TOKENS).token_ids
+def reference_started() -> Future[list[int]]:
+    """C's tokens from a plain server (the same model for both styles),
+    started beside the first cluster."""
+    down_live("e2e-")  # any e2e cluster left running
+    return reference_beside(
+        _spec("mooncake"),
+        REFERENCE_RUN,
+        lambda url: complete(url, C_PROMPT, MAX_TOKENS).token_ids,
+    )
+
+
+@pytest.fixture(scope="module")
+def c_reference(reference_started: Future[list[int]]) -> list[int]:
+    return reference_started.result(timeout=900)
 
 
 @pytest.fixture(scope="module", params=layout.KV_STYLES)
@@ -114,10 +127,12 @@ def dead_spec(request: pytest.FixtureRequest) -> layout.ClusterSpec:
 
 @pytest.fixture(scope="module")
 def dead_cluster(
-    dead_spec: layout.ClusterSpec, c_reference: list[int]
+    dead_spec: layout.ClusterSpec, reference_started: Future[list[int]]
 ) -> Iterator[Cluster]:
-    down_live("e2e-")  # any e2e cluster left running, this one's included
+    # any e2e cluster left running, this one's included; not the reference
+    down_live("e2e-", spare=[REFERENCE_RUN])
     with running(dead_spec, f"{RUN}-{dead_spec.kv_style}", timeout=900) as started:
+        wait([reference_started], timeout=900)  # gone before any test runs
         yield started
 
 

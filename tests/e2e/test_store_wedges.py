@@ -30,6 +30,7 @@ import os
 import re
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, wait
 from dataclasses import replace
 from pathlib import Path
 
@@ -51,7 +52,7 @@ from vllm_mooncake.tools.cluster.local import (
     Cluster,
     down_live,
     free_base_port,
-    reference_server,
+    reference_beside,
     running,
     stop_store_segment,
 )
@@ -121,22 +122,35 @@ def store_spec() -> layout.ClusterSpec:
     return replace(spec, base_port=int(base) if base else free_base_port(spec))
 
 
+Outputs = dict[tuple[int, ...], list[int]]
+
+
 @pytest.fixture(scope="module")
-def reference(store_spec: layout.ClusterSpec) -> dict[tuple[int, ...], list[int]]:
+def reference_started(store_spec: layout.ClusterSpec) -> Future[Outputs]:
     """Greedy outputs of a plain server (no KV transfer, same settings) for
-    every prompt the guard decode must complete."""
+    every prompt the guard decode must complete; the server starts beside
+    the cluster."""
     w1, w2 = W1Prompts.make(PROMPT_SEEDS[GUARD]), W2Prompts.make(PROMPT_SEEDS[GUARD])
     prompts = [w1.urgent, w1.holder, w2.failing, w2.holder, _slow_prompt()]
-    with reference_server(store_spec, run=f"{RUN}-reference") as url:
+
+    def ask(url: str) -> Outputs:
         return {tuple(p): complete(url, p, MAX_TOKENS).token_ids for p in prompts}
+
+    down_live("e2e-")  # never two clusters at once on this machine
+    return reference_beside(store_spec, f"{RUN}-reference", ask)
+
+
+@pytest.fixture(scope="module")
+def reference(reference_started: Future[Outputs]) -> Outputs:
+    return reference_started.result(timeout=900)
 
 
 @pytest.fixture(scope="module")
 def store_cluster(
-    store_spec: layout.ClusterSpec, reference: dict[tuple[int, ...], list[int]]
+    store_spec: layout.ClusterSpec, reference_started: Future[Outputs]
 ) -> Iterator[Cluster]:
-    down_live("e2e-")  # never two clusters at once on this machine
     with running(store_spec, RUN, timeout=900) as started:
+        wait([reference_started], timeout=900)  # gone before any test runs
         yield started
 
 

@@ -6,7 +6,8 @@ Per release (``VLLM_MOONCAKE_REAL_RELEASES``, comma-separated; default every
 series 0.19-0.32), from that release's own environment:
 
 1. a plain single server answers :data:`PROMPTS` and the seed's prompts
-   greedily (the reference), and stops;
+   greedily (the reference), and stops; it starts beside the cluster of
+   step 2 (``local.reference_beside``) and is gone before any test runs;
 2. a store-mode 1P2D starts (``local.up(store=True)``): mooncake_master and a
    segment owner, one prefill, ``decode-0`` on vLLM's own MultiConnector and
    ``decode-1`` on the guard, each over [MooncakeStoreConnector,
@@ -52,7 +53,7 @@ from vllm_mooncake.tools.cluster.local import (
     down,
     free_base_port,
     paused_store_segment,
-    reference_server,
+    reference_beside,
     run_dir,
     running,
 )
@@ -241,12 +242,15 @@ def release(request: pytest.FixtureRequest) -> Iterator[Release]:
     if isinstance(wedge, DefaultWedge):
         for k in range(2 * TRIES):
             prompts += wedge.prompt_list(k)
-    with reference_server(spec, run=f"{run}-reference") as url:
-        refs = {repr(p): complete(url, p, MAX_TOKENS).token_ids for p in prompts}
     if Run(run_dir(run)).live():
         down(run)
+
+    def ask(url: str) -> dict[str, list[int]]:
+        return {repr(p): complete(url, p, MAX_TOKENS).token_ids for p in prompts}
+
+    refs = reference_beside(spec, f"{run}-reference", ask)
     with running(spec, run, timeout=900) as cluster:
-        yield Release(version, cluster, refs, wedge)
+        yield Release(version, cluster, refs.result(timeout=900), wedge)
 
 
 def test_the_servers_run_the_release_with_the_guard(release: Release) -> None:

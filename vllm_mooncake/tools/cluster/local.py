@@ -36,10 +36,11 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from vllm_mooncake.offline import cache_dir, prepare_offline_env
 from vllm_mooncake.tools.cluster import layout
@@ -53,6 +54,7 @@ from vllm_mooncake.tools.cluster.procs import (
 )
 
 DEFAULT_RUN = "local"
+T = TypeVar("T")
 BASE_PORT_ENV = "VLLM_MOONCAKE_BASE_PORT"
 
 
@@ -392,6 +394,36 @@ def reference_server(
         state.stop()
 
 
+def reference_beside(
+    spec: ClusterSpec,
+    run: str,
+    ask: Callable[[str], T],
+    timeout: float = 600.0,
+) -> Future[T]:
+    """Start :func:`reference_server` now, in a thread, so that its start
+    overlaps whatever the caller starts next (a cluster): starting a vLLM
+    server here is mostly importing it, three processes one after another,
+    and two such chains share the cores better than they run in turn.
+
+    Once the server is healthy, ``ask(url)`` computes what the caller needs
+    (greedy outputs) and the server stops; the future holds ``ask``'s
+    result or its error. Nothing of the reference runs while the cluster is
+    being measured: wait on the future before the measuring starts.
+    """
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=run)
+    try:
+        return pool.submit(_ask_reference, spec, run, ask, timeout)
+    finally:
+        pool.shutdown(wait=False)
+
+
+def _ask_reference(
+    spec: ClusterSpec, run: str, ask: Callable[[str], T], timeout: float
+) -> T:
+    with reference_server(spec, run=run, timeout=timeout) as url:
+        return ask(url)
+
+
 def attach(run: str = DEFAULT_RUN) -> Cluster:
     """The cluster a previous ``up`` started (for clients and tests)."""
     state = Run(run_dir(run))
@@ -416,14 +448,17 @@ def down(run: str = DEFAULT_RUN, timeout: float = 30.0) -> list[str]:
     return Run(run_dir(run)).stop(timeout)
 
 
-def down_live(prefix: str, timeout: float = 30.0) -> list[str]:
+def down_live(
+    prefix: str, timeout: float = 30.0, spare: Sequence[str] = ()
+) -> list[str]:
     """Stop every run named ``prefix...`` that still has live processes (a
-    killed test session's leftovers hold the ports and the cores); return
-    the runs stopped."""
+    killed test session's leftovers hold the ports and the cores), except
+    the runs named in ``spare`` (a reference server started beside the
+    next cluster); return the runs stopped."""
     root = run_dir(prefix).parent
     stopped = []
     for rd in sorted(root.glob(f"{prefix}*")):
-        if not rd.is_dir():
+        if not rd.is_dir() or rd.name in spare:
             continue
         run = Run(rd)
         if run.live():

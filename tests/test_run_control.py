@@ -1,6 +1,7 @@
-"""``Run.paused``: the seed on real servers relies on it to hold a store load
-(tools/cluster/real_wedges.py, ``form_seed``). Real processes: a parent that
-forks a child, both in the run's session."""
+"""Controlling a run's processes: ``Run.paused`` (the seed on real servers
+relies on it to hold a store load: tools/cluster/real_wedges.py,
+``form_seed``) and ``down_live``'s spared runs. Real processes: a parent
+that forks a child, both in the run's session."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_mooncake.tools.cluster.local import down_live, run_dir
 from vllm_mooncake.tools.cluster.procs import Run
 
 # A leader that forks one child; both sleep until stopped.
@@ -21,6 +23,7 @@ FAMILY = (
     "else:\n"
     "    time.sleep(120)\n"
 )
+SLEEP = "import time; time.sleep(120)"
 
 
 def _state(pid: int) -> str:
@@ -77,3 +80,20 @@ def test_pausing_an_unrecorded_process_names_it(tmp_path: Path) -> None:
     run = Run(tmp_path / "empty")
     with pytest.raises(KeyError, match="'store-segment'"), run.paused("store-segment"):
         pass
+
+
+def test_down_live_spares_the_named_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reference server started beside the next cluster survives the
+    clean-up of the previous one."""
+    monkeypatch.setenv("VLLM_MOONCAKE_CACHE", str(tmp_path))
+    left, spared = Run(run_dir("t-left")), Run(run_dir("t-reference"))
+    for run in (left, spared):
+        run.start("sleeper", [sys.executable, "-c", SLEEP], dict(os.environ), "")
+    try:
+        assert down_live("t-", timeout=5, spare=["t-reference"]) == ["t-left"]
+        assert not left.live()
+        assert spared.live()
+    finally:
+        spared.stop(timeout=5)
