@@ -7,7 +7,12 @@ from typing import Any
 import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from vllm_mooncake.guard.config import GuardConfig, GuardConfigError, Policy
+from vllm_mooncake.guard.config import (
+    GuardConfig,
+    GuardConfigError,
+    Policy,
+    validate_children,
+)
 from vllm_mooncake.guard.scheduler import (
     WedgeGuardAsyncScheduler,
     WedgeGuardMixin,
@@ -54,6 +59,93 @@ def test_bad_guard_section_fails_at_start_up_naming_the_field(
     with pytest.raises(ValueError, match=hint) as info:
         SchedulerDriver.build(EngineShape(), cfg)
     assert f"kv_connector_extra_config.{field}" in str(info.value)
+
+
+def test_a_null_guard_section_means_the_defaults() -> None:
+    assert GuardConfig.from_extra_config({"wedge_guard": None}) == GuardConfig()
+
+
+@pytest.mark.parametrize(
+    ("field", "highest", "above", "use"),
+    [
+        ("stall_alarm_steps", 10**9, 10**9 + 1, "1..1000000000"),
+        ("recv_deadline_s", 3600, 3600.5, "1..3600"),
+        ("sender_probe_s", 600, 600.5, "0..600"),
+    ],
+)
+def test_each_bounded_field_takes_its_highest_value_and_no_more(
+    field: str, highest: float, above: float, use: str
+) -> None:
+    """The upper bounds an operator reads in the error are the ones enforced:
+    the highest value passes, anything above it names the range."""
+    config = GuardConfig.from_extra_config({"wedge_guard": {field: highest}})
+    assert getattr(config, field) == highest
+    with pytest.raises(GuardConfigError) as info:
+        GuardConfig.from_extra_config({"wedge_guard": {field: above}})
+    assert str(info.value) == (
+        f"kv_transfer_config.kv_connector_extra_config.wedge_guard.{field}: "
+        f"{above} is out of range; use {use}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        (
+            ["lateral"],
+            "kv_transfer_config.kv_connector_extra_config.wedge_guard: expected a "
+            'JSON object, got list; write e.g. {"policy": "reserve+lateral"}',
+        ),
+        (
+            {"recv_deadline_s": "60s"},
+            "kv_transfer_config.kv_connector_extra_config.wedge_guard.recv_deadline_s: "
+            "expected a number of seconds, got '60s' (str); write e.g. 120.0",
+        ),
+    ],
+)
+def test_a_mistyped_guard_section_is_told_what_it_gave_and_what_to_write(
+    section: Any, message: str
+) -> None:
+    with pytest.raises(GuardConfigError) as info:
+        GuardConfig.from_extra_config({"wedge_guard": section})
+    assert str(info.value) == message
+
+
+CONNECTORS = "kv_transfer_config.kv_connector_extra_config.connectors"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            {},
+            f"{CONNECTORS}: missing; list the child connectors, e.g. "
+            '[{"kv_connector": "MooncakeConnector", ...}, '
+            '{"kv_connector": "NixlConnector", ...}]',
+        ),
+        (
+            {"connectors": [{"kv_connector": ""}]},
+            f"{CONNECTORS}[0].kv_connector: missing; "
+            "name the child, e.g. NixlConnector",
+        ),
+    ],
+)
+def test_missing_children_are_told_how_to_list_them(
+    extra: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(GuardConfigError) as info:
+        validate_children(extra)
+    assert str(info.value) == message
+
+
+def test_with_policy_changes_the_policy_only() -> None:
+    config = GuardConfig.from_extra_config({"wedge_guard": {"max_attempts": 3}})
+    lateral = config.with_policy(" Lateral ")
+    assert lateral.policy is Policy.LATERAL
+    assert lateral.max_attempts == 3
+    assert config.with_policy(Policy.RESERVE).policy is Policy.RESERVE
+    with pytest.raises(GuardConfigError, match="wedge_guard.policy: 'greedy'"):
+        config.with_policy("greedy")
 
 
 @pytest.mark.parametrize(
