@@ -19,8 +19,11 @@ relies on is present -- by name, so a release that moves one fails naming it.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+import subprocess
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
@@ -108,22 +111,44 @@ def expected(version: str) -> list[str]:
     return [p + r".* PASSED" for p in out]
 
 
-@pytest.mark.parametrize("version", OTHER_RELEASES)
-def test_catalogue_guard_rules_and_internals_on_release(version: str) -> None:
-    missing = overlay_missing(version)
-    assert missing is None, missing
+# Releases run this many at a time: each run is one single-threaded pytest
+# process, so on 2 cores two side by side take about half the time.
+WORKERS = int(os.environ.get("VLLM_MOONCAKE_RELEASE_WORKERS", "2"))
+
+
+def _run_files(version: str) -> subprocess.CompletedProcess[str]:
+    """:data:`FILES` on ``version``'s overlay, in a pytest of its own."""
     deselect = []
     if series_of(version) not in CATALOGUE["w2"].wedges_on:
         # It asserts the valve acts on W2, which needs the async-load
         # reservation (0.23+): before, W2's layout is no wedge to act on.
         deselect = ["--deselect", f"{REAL_GUARD}[w2-reserve+lateral]"]
-    proc = run_on(
+    return run_on(
         version,
         ["-m", "pytest", "-v", "-p", "no:cacheprovider", "-p", "no:logging"]
         + FILES
         + deselect,
         VLLM_MOONCAKE_PROPERTY_EXAMPLES=PROPERTY_EXAMPLES,
     )
+
+
+@functools.cache
+def _runs() -> dict[str, Future[subprocess.CompletedProcess[str]]]:
+    """Every chosen release's run, started on first use, :data:`WORKERS` at
+    a time, in the order the tests ask for them."""
+    pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="release")
+    runs = {
+        v: pool.submit(_run_files, v) for v in OTHER_RELEASES if not overlay_missing(v)
+    }
+    pool.shutdown(wait=False)
+    return runs
+
+
+@pytest.mark.parametrize("version", OTHER_RELEASES)
+def test_catalogue_guard_rules_and_internals_on_release(version: str) -> None:
+    missing = overlay_missing(version)
+    assert missing is None, missing
+    proc = _runs()[version].result()
     tail = "\n".join(proc.stdout.splitlines()[-30:])
     assert proc.returncode == 0, f"tests failed on vLLM {version}:\n{tail}"
     assert f"vLLM {version}" in proc.stdout, "the subprocess ran another vLLM"

@@ -28,10 +28,14 @@ deadline). Then the prefill is SIGKILLed: the guard's probes are refused
 twice (Mooncake-style), or the NIXL worker reports the reads ended (UCX
 sees the connection reset), the quarantine ends, C is served (its tokens
 equal a plain server's), the rank is ready again and its KV usage drains to
-0. Stock's C still waits Mooncake-style (vLLM's bound is Mooncake's 480 s
-pull timeout); NIXL-style, the reset fails stock's reads too, and C is
-served: NIXL strands a read only while its sender is silent (stopped, or
-cut off without a reset).
+0. Mooncake-style, stock's C usually still waits after the kill (vLLM's
+bound is Mooncake's 480 s pull timeout), but not always: once, stock's
+worker had sat blocked in one step through the whole silence (vLLM logged
+"No available shared memory broadcast block found in 60 seconds") and
+served C soon after the kill, so that part is reported, not asserted.
+NIXL-style, the reset fails stock's reads too, and C is served: NIXL
+strands a read only while its sender is silent (stopped, or cut off
+without a reset).
 """
 
 from __future__ import annotations
@@ -134,6 +138,10 @@ def dead_cluster(
     with running(dead_spec, f"{RUN}-{dead_spec.kv_style}", timeout=900) as started:
         wait([reference_started], timeout=900)  # gone before any test runs
         yield started
+
+
+def _state_of(future: Future[Any]) -> str:
+    return _outcome(future) if future.done() else "still waiting"
 
 
 def _outcome(future: Future[Any]) -> str:
@@ -342,9 +350,12 @@ def test_a_silent_then_dead_prefill_starves_stock_and_the_guard_recovers(
     ):
         assert line.search(log), f"no {line.name} line in decode-1's log"
     if cluster.spec.kv_style == "mooncake":
-        # Stock still starves C (vLLM's own bound is Mooncake's 480 s timeout).
+        # Stock after the kill: vLLM's own bound is Mooncake's 480 s pull
+        # timeout, but whether C still waits depends on where stock's worker
+        # was when the sender died. Reported, not asserted: the starvation
+        # that matters was shown above, while the sender was silent.
         time.sleep(5)
-        assert not c[STOCK].done(), "stock served C: the receives did not hang"
+        print(f"stock after the kill: C {_state_of(c[STOCK])}")
     else:
         # NIXL fails the reads of a dead peer by itself (the reset above):
         # stock starved C only while the prefill was silent.
