@@ -27,8 +27,9 @@ guards.py`` breaks the guard in each of these ways and sees a check fire).
 ``VLLM_MOONCAKE_PROPERTY_EXAMPLES`` sets the examples per property (default
 below, a sample sized for CI's budget: about 25 ms an example, so the two
 properties take about 1 minute 40 s on 2 cores; 6,000 each took 4 minutes
-40 s); ``bench/property_run.py`` runs the same space for 100,000+ cases. A failure prints
-the shrunk case as JSON; replay it with ``Case.from_json`` + ``run_case``.
+40 s); ``bench/property_run.py`` runs the same space for 100,000+ cases. A
+failure prints the shrunk case as JSON; replay it with ``Case.from_json`` +
+``run_case``.
 
 The last tests replay, as plain examples, the two guard bugs the properties
 found (both fixed in ``guard/scheduler.py`` / ``guard/connector.py``).

@@ -53,8 +53,9 @@ from vllm_mooncake.tools.cluster.procs import (
     tail,
 )
 
+T = TypeVar("T")  # what a reference server's caller asks it for
+
 DEFAULT_RUN = "local"
-T = TypeVar("T")
 BASE_PORT_ENV = "VLLM_MOONCAKE_BASE_PORT"
 
 
