@@ -36,13 +36,13 @@ def _states(pids: list[int], want_stopped: bool) -> list[str]:
     """The states of ``pids`` once all are (or none is) stopped, or after 5 s:
     a signal takes effect soon after ``kill`` returns, not at once."""
     deadline = time.monotonic() + 5
-    while True:
-        states = [_state(pid) for pid in pids]
-        if all((s == "T") == want_stopped for s in states):
-            return states
+    states = [_state(pid) for pid in pids]
+    while not all((s == "T") == want_stopped for s in states):
         if time.monotonic() > deadline:
-            return states
+            break
         time.sleep(0.02)
+        states = [_state(pid) for pid in pids]
+    return states
 
 
 def _family(tmp_path: Path) -> Run:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 import pytest
@@ -141,6 +141,7 @@ def cluster(
     style = str(request.param)
     run = f"{RUN}-{style}"
     down_live("e2e-", spare=[REFERENCE_RUN])  # the previous style's cluster
-    with running(replace(spec, kv_style=style), run, timeout=900) as started:
-        wait([reference_started], timeout=900)  # gone before any test runs
+    with running(
+        replace(spec, kv_style=style), run, timeout=900, settle=[reference_started]
+    ) as started:
         yield started

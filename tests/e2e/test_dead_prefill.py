@@ -46,7 +46,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -135,8 +135,8 @@ def dead_cluster(
 ) -> Iterator[Cluster]:
     # any e2e cluster left running, this one's included; not the reference
     down_live("e2e-", spare=[REFERENCE_RUN])
-    with running(dead_spec, f"{RUN}-{dead_spec.kv_style}", timeout=900) as started:
-        wait([reference_started], timeout=900)  # gone before any test runs
+    run = f"{RUN}-{dead_spec.kv_style}"
+    with running(dead_spec, run, timeout=900, settle=[reference_started]) as started:
         yield started
 
 

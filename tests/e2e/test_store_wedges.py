@@ -30,7 +30,7 @@ import os
 import re
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 
@@ -149,8 +149,7 @@ def reference(reference_started: Future[Outputs]) -> Outputs:
 def store_cluster(
     store_spec: layout.ClusterSpec, reference_started: Future[Outputs]
 ) -> Iterator[Cluster]:
-    with running(store_spec, RUN, timeout=900) as started:
-        wait([reference_started], timeout=900)  # gone before any test runs
+    with running(store_spec, RUN, timeout=900, settle=[reference_started]) as started:
         yield started
 
 

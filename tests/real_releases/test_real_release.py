@@ -249,8 +249,8 @@ def release(request: pytest.FixtureRequest) -> Iterator[Release]:
         return {repr(p): complete(url, p, MAX_TOKENS).token_ids for p in prompts}
 
     refs = reference_beside(spec, f"{run}-reference", ask)
-    with running(spec, run, timeout=900) as cluster:
-        yield Release(version, cluster, refs.result(timeout=900), wedge)
+    with running(spec, run, timeout=900, settle=[refs]) as cluster:
+        yield Release(version, cluster, refs.result(), wedge)
 
 
 def test_the_servers_run_the_release_with_the_guard(release: Release) -> None:

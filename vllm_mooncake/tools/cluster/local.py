@@ -37,7 +37,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -346,12 +346,22 @@ def paused_store_segment(
 
 
 @contextlib.contextmanager
-def running(spec: ClusterSpec, run: str, timeout: float = 600.0) -> Iterator[Cluster]:
+def running(
+    spec: ClusterSpec,
+    run: str,
+    timeout: float = 600.0,
+    settle: Sequence[Future[Any]] = (),
+) -> Iterator[Cluster]:
     """``up``, yield the cluster, stop it; raise if any process it started
-    (vLLM's engine cores and workers included) outlived the stop."""
+    (vLLM's engine cores and workers included) outlived the stop.
+
+    ``settle``: work started beside the cluster (:func:`reference_beside`)
+    that must be over before the cluster is yielded, so none of it runs
+    while the caller measures; its result or error stays in its future."""
     started = up(spec, run=run, timeout=timeout)
     recorded = Run(started.run_dir).procs
     try:
+        wait(settle, timeout=timeout)
         yield started
     finally:
         started.stop()
@@ -408,8 +418,8 @@ def reference_beside(
 
     Once the server is healthy, ``ask(url)`` computes what the caller needs
     (greedy outputs) and the server stops; the future holds ``ask``'s
-    result or its error. Nothing of the reference runs while the cluster is
-    being measured: wait on the future before the measuring starts.
+    result or its error. Pass the future to :func:`running` (``settle``) so
+    that nothing of the reference runs while the cluster is measured.
     """
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=run)
     try:

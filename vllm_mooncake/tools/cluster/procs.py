@@ -199,6 +199,13 @@ class Run:
             time.sleep(poll)
         return time.monotonic() - t0
 
+    def _latest(self, name: str) -> Proc:
+        """The latest start of the recorded process ``name``."""
+        named = [p for p in self.procs if p.name == name]
+        if not named:
+            raise KeyError(f"no process {name!r} recorded in {self.state_path}")
+        return named[-1]
+
     # ---- stop -----------------------------------------------------------------
     def stop_one(
         self, name: str, timeout: float = 30.0, sig: int = signal.SIGTERM
@@ -206,10 +213,7 @@ class Run:
         """Stop the recorded process ``name`` (``sig``, SIGTERM unless told:
         SIGKILL is a crash; then SIGKILL for what outlives ``timeout``); it
         stays recorded, so :meth:`stop` still reports it."""
-        named = [p for p in self.procs if p.name == name]
-        if not named:
-            raise KeyError(f"no process {name!r} recorded in {self.state_path}")
-        proc = named[-1]  # the latest start of that name
+        proc = self._latest(name)
         members = proc.members()
         for pid in members:
             _signal(pid, sig)
@@ -228,10 +232,7 @@ class Run:
         (SIGSTOP) for the ``with`` block, then let it go on (SIGCONT, also
         when the block raises). Its sockets stay open: a peer's connection is
         still accepted by the kernel, and waits."""
-        named = [p for p in self.procs if p.name == name]
-        if not named:
-            raise KeyError(f"no process {name!r} recorded in {self.state_path}")
-        members = named[-1].members()
+        members = self._latest(name).members()
         for pid in members:
             _signal(pid, signal.SIGSTOP)
         try:
