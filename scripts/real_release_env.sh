@@ -22,6 +22,11 @@
 #     the CPU platform and a CUDA torch without a GPU is a CPU torch.
 #   - torchvision, torchaudio and torchcodec are left out: the index's builds
 #     are CUDA-only and break `import transformers` (torchvision::nms).
+# Bytecode is compiled at install (uv does not by default): a server is three
+# processes that each import vLLM, torch and transformers, and where
+# PYTHONDONTWRITEBYTECODE is set (as on this kind of machine) every one of
+# them compiled those from source on each start -- 0.27.1: `import vllm,
+# torch, transformers` 23.6 s without bytecode, 11.2 s with it.
 # uv installs from its cache with hard links, so envs that share a torch share
 # its files on disk: each env beyond the first of its torch costs ~0.3-0.5 GB.
 #
@@ -160,7 +165,7 @@ build="$ROOT/.build-vllm-$VERSION"
 bpy="$build/bin/python"
 rm -rf "$build" "$ROOT"/.old-vllm-"$VERSION"-*
 "$UV" venv --quiet --relocatable --python "$base" "$build"
-"$UV" pip install --quiet --python "$bpy" "${links[@]}" \
+"$UV" pip install --quiet --python "$bpy" "${links[@]}" --compile-bytecode \
   --exclude-newer "${cutoff}T00:00:00Z" "${exempt[@]}" \
   -r "$tmp/requirements.txt" --overrides "$tmp/overrides.txt" \
   --excludes "$tmp/excludes.txt"

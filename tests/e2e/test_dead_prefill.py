@@ -168,6 +168,28 @@ def _wait(
     raise AssertionError(f"{what}: not within {timeout:.0f} s{seen}")
 
 
+def _seen(
+    cluster: Cluster,
+    stranded: dict[int, list[Future[Any]]],
+    c: dict[int, Future[Any]],
+) -> dict[str, object]:
+    """What each decode shows, for a failed wait: its gauges, the guard's
+    failures by reason, and how each request stands."""
+    seen: dict[str, object] = {}
+    for d, url in enumerate(cluster.decode_urls):
+        samples = scrape(url)
+        seen[url] = {
+            "waiting": metric_total(samples, "vllm:num_requests_waiting"),
+            "running": metric_total(samples, "vllm:num_requests_running"),
+            "failed": {
+                s.labels.get("reason"): s.value for s in samples if s.name == FAILED
+            },
+            "R1, R2": [_state_of(f) for f in stranded[d]],
+            "C": _state_of(c[d]),
+        }
+    return seen
+
+
 def _ready(url: str) -> int:
     return subprocess.run(
         [sys.executable, "-m", "vllm_mooncake.tools.ready", "--url", url],
@@ -298,6 +320,7 @@ def test_a_silent_then_dead_prefill_starves_stock_and_the_guard_recovers(
             "guard: R1 and R2 failed by the deadline",
             lambda: _metric(guard, FAILED, reason="deadline") == 2,
             DEADLINE_S + 10,
+            lambda: _seen(cluster, stranded, c),
         )
         _wait(
             "guard: R1/R2 clients answered",
