@@ -215,9 +215,10 @@ def up(
             for r in rank_list
             if r.bootstrap_port is not None and spec.external_bootstrap
         ]
-        timings["bootstrap"] = state.wait_healthy(boots, timeout=120)
-        say(f"[up] Mooncake bootstrap server(s) ready in {timings['bootstrap']:.1f} s")
-
+        # The servers start at once, beside the bootstrap servers: a server
+        # needs its bootstrap only when its Mooncake worker registers, a
+        # minute into its start, and vLLM retries that registration.
+        servers_started = time.monotonic()
         servers = []
         for r in rank_list:
             renv = rank_env(spec, r, cpu, env, store_path)
@@ -231,7 +232,10 @@ def up(
                     f"{r.url}/health",
                 )
             )
-        timings["servers"] = state.wait_healthy(servers, timeout=timeout, poll=2.0)
+        timings["bootstrap"] = state.wait_healthy(boots, timeout=120)
+        say(f"[up] Mooncake bootstrap server(s) ready in {timings['bootstrap']:.1f} s")
+        state.wait_healthy(servers, timeout=timeout, poll=2.0)
+        timings["servers"] = time.monotonic() - servers_started
         say(f"[up] {len(servers)} vLLM servers healthy in {timings['servers']:.1f} s")
 
         router_url = f"http://{HOST}:{spec.ports.router}"
